@@ -1,0 +1,1 @@
+"""Shared building blocks for the example training recipes (model, data)."""

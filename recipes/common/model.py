@@ -1,0 +1,155 @@
+"""A small GPT-style decoder-only language model in plain PyTorch.
+
+The model is intentionally tiny so recipes and tests run on CPU. The transformer
+blocks live in ``GPT.blocks`` (an ``nn.ModuleList``) so FSDP2 can ``fully_shard``
+each block individually and then the root module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig"]
+
+
+@dataclass
+class GPTConfig:
+    """Model hyperparameters; defaults are a CPU-sized model.
+
+    ``vocab_size`` defaults to ``CharTokenizer().vocab_size`` (96); a test keeps
+    the two in sync.
+    """
+
+    vocab_size: int = 96
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention backed by ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # One fused projection for q, k, v keeps the parameter count and FLOPs minimal.
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(self.n_embd, dim=2)
+        head_dim = c // self.n_head
+        # (B, T, C) -> (B, nh, T, hs), the layout SDPA expects.
+        q = q.view(b, t, self.n_head, head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_head, head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_head, head_dim).transpose(1, 2)
+        # is_causal=True builds the mask internally, so no mask buffer ends up in
+        # state_dict (checkpoints then hold parameters only).
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network with a 4x expansion and GELU."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer LM with learned positions and a tied output head."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.apply(self._init_weights)
+        # GPT-2 style: shrink residual-path projections so the residual stream's
+        # variance does not grow with depth.
+        resid_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=resid_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=resid_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Number of parameters (the tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(logits, loss)``; ``loss`` is ``None`` when ``targets`` is ``None``.
+
+        ``idx`` and ``targets`` are int64 tensors of shape ``(B, T)`` with
+        ``T <= block_size``; ``logits`` has shape ``(B, T, vocab_size)``.
+        """
+        _, t = idx.shape
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(t, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        # Tied head via F.linear on the embedding weight instead of a separate
+        # nn.Linear sharing the Parameter: state_dict then has a single key for
+        # the weight, so checkpoint save/load and state comparisons see no aliases.
+        logits = F.linear(x, self.wte.weight)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

@@ -1,0 +1,463 @@
+"""CheckpointManager: sharded save/load on DCP with an atomic, verified commit and retention.
+
+Knows nothing about signals or supervisors. All cross-rank agreement goes through the process
+group it is given, which must not be the training group: async saves run their collectives
+from a background thread while training runs its own (TORCH_NOTES gotcha 3).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from resilient import __version__
+from resilient.checkpoint._dcp import ChecksummingWriter, SafeLoadPlanner, SafeReader
+from resilient.checkpoint.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    parse_step_dir,
+    step_dir,
+)
+from resilient.checkpoint.state import TrainState
+from resilient.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+)
+from resilient.log import get_logger
+from resilient.storage import RetryPolicy, Storage
+
+__all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager"]
+
+_DCP_METADATA = ".metadata"
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where and how checkpoints are written."""
+
+    url: str
+    """A local directory or an fsspec URL (s3://bucket/prefix). Created when missing."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; older ones and torn leftovers are deleted after a commit."""
+    async_save: bool = True
+    """Write in a background thread; the loop blocks only while tensors are staged."""
+    write_threads: int = 1
+    """DCP writer threads per rank."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec (endpoint, credentials, ...)."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """Retry policy of every storage call."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError(
+                f"keep_last must be >= 1 (the newest valid checkpoint is always kept), got "
+                f"{self.keep_last}"
+            )
+        if not 1 <= self.write_threads <= 64:
+            raise ConfigError(f"write_threads must be in [1, 64], got {self.write_threads}")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    step: int
+    committed: bool
+
+
+class CheckpointManager:
+    """Saves and loads a TrainState under `config.url`.
+
+    Every rank of `process_group` must make the same calls in the same order.
+    """
+
+    def __init__(self, config: CheckpointConfig, *, process_group: Any = None) -> None:
+        self.config = config
+        self.storage = Storage(
+            config.url, storage_options=config.storage_options, retry=config.retry
+        )
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._pg = process_group
+        if not self._distributed:  # DCP warns on every single-process save; we mean it
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled", category=UserWarning
+            )
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
+        self._staged: Future[Any] | None = None
+        self._pending: Future[int | None] | None = None
+        self._log = get_logger()
+        self.last_committed: int | None = None
+
+    # ---------------------------------------------------------------- collectives
+    def _bcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def _gather_all(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _agree(self, fn: Any) -> Any:
+        """Run `fn` on rank 0 and give every rank its result or its exception."""
+        result: tuple[bool, Any] = (True, None)
+        if self.rank == 0:
+            try:
+                result = (True, fn())
+            except Exception as e:  # shipped to every rank and re-raised there
+                result = (False, e)
+        ok, value = self._bcast(result)
+        if not ok:
+            raise value
+        return value
+
+    # ---------------------------------------------------------------- discovery
+    def check_writable(self) -> None:
+        """Create the location if needed and prove it writable (rank 0), before training starts."""
+        self._agree(self.storage.check_writable)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Checkpoint directories under the root, oldest first. Foreign names are ignored."""
+        infos = []
+        for name in self.storage.list_dirs():
+            step = parse_step_dir(name)
+            if step is not None:
+                committed = self.storage.exists(f"{name}/{MANIFEST_NAME}")
+                infos.append(CheckpointInfo(step=step, committed=committed))
+        return sorted(infos, key=lambda i: i.step)
+
+    def read_manifest(self, step: int) -> Manifest:
+        where = f"{self.storage.url}/{step_dir(step)}/{MANIFEST_NAME}"
+        return Manifest.from_json(
+            self.storage.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"), where=where
+        )
+
+    def verify(self, step: int, manifest: Manifest) -> list[str]:
+        """This rank's share of the file checks; returns the problems found (empty when valid)."""
+        problems = []
+        names = sorted(manifest.files)
+        for i, name in enumerate(names):
+            if i % self.world_size != self.rank:
+                continue
+            want = manifest.files[name]
+            rel = f"{step_dir(step)}/{name}"
+            try:
+                crc, size = self.storage.checksum(rel)
+            except FileNotFoundError:
+                problems.append(f"{name}: missing (expected {want.size} bytes)")
+                continue
+            if size != want.size:
+                problems.append(f"{name}: size {size} != expected {want.size} (truncated or torn)")
+            elif crc != want.crc32:
+                problems.append(f"{name}: crc32 {crc:08x} != expected {want.crc32:08x} (corrupt)")
+        return problems
+
+    # ---------------------------------------------------------------- save
+    def save(self, state: TrainState, step: int, *, blocking: bool | None = None) -> None:
+        """Checkpoint `state` as taken after `step` steps.
+
+        Async (the default of the config) returns once tensors are being staged; the caller
+        must call `wait_staged()` before mutating parameters or optimizer state (the runtime
+        does this from an optimizer pre-step hook). A previous save in flight is waited for
+        first. Raises CheckpointError if a previous async save failed.
+        """
+        self.wait()
+        blocking = not self.config.async_save if blocking is None else blocking
+        t0 = time.perf_counter()
+        self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
+        sd = state.to_state_dict(step=step, rank=self.rank)
+        if blocking:
+            self._write_and_commit(sd, step, t0, staged_at=t0)
+            return
+        stager = self._get_stager()
+        staged = stager.stage(sd)
+        if not isinstance(staged, Future):  # synchronous stager: already a copy
+            done: Future[Any] = Future()
+            done.set_result(staged)
+            staged = done
+        self._staged = staged
+        blocked = time.perf_counter() - t0
+        self._pending = self._get_executor().submit(self._async_job, staged, step, t0, blocked)
+
+    def _async_job(self, staged: Future[Any], step: int, t0: float, blocked: float) -> int | None:
+        sd = staged.result()
+        staged_at = time.perf_counter()
+        self._log.info(
+            "ckpt.save.staged",
+            step=step,
+            blocked_s=round(blocked, 4),
+            staging_s=round(staged_at - t0, 4),
+        )
+        return self._write_and_commit(sd, step, t0, staged_at=staged_at)
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight async save no longer reads live tensors."""
+        staged = self._staged
+        if staged is not None:
+            staged.result()
+            self._staged = None
+
+    def wait(self) -> int | None:
+        """Wait for the in-flight save; return its committed step. Raises its error, if any."""
+        pending, self._pending = self._pending, None
+        self.wait_staged()
+        if pending is None:
+            return None
+        return pending.result()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def _write_and_commit(
+        self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float
+    ) -> int | None:
+        rel = step_dir(step)
+        try:
+            if self._agree(lambda: self._prepare_dir(rel)) == "exists":
+                self._log.info("ckpt.save.skipped", step=step, reason="already committed")
+                return step
+            writer = ChecksummingWriter(
+                self.storage.path(rel),
+                sync_files=self.storage.is_local,
+                thread_count=self.config.write_threads,
+            )
+            dcp.save(
+                sd,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
+            written = time.perf_counter()
+            entries = self._gather_all(writer.file_checksums)
+            manifest = self._agree(lambda: self._commit(step, entries))
+        except Exception as e:
+            self._log.error("ckpt.save.failed", step=step, error=f"{type(e).__name__}: {e}")
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"saving step {step} to {self.storage.url} failed: {e}") from e
+        done = time.perf_counter()
+        self.last_committed = step
+        self._log.info(
+            "ckpt.save.committed",
+            step=step,
+            bytes=manifest.total_bytes,
+            files=len(manifest.files),
+            seconds=round(done - t0, 4),
+            write_s=round(written - staged_at, 4),
+            commit_s=round(done - written, 4),
+        )
+        if self.rank == 0:
+            self._retain()
+        return step
+
+    def _prepare_dir(self, rel: str) -> str:
+        if self.storage.exists(f"{rel}/{MANIFEST_NAME}"):
+            return "exists"
+        if self.storage.exists(rel):  # a torn save of this step from an earlier attempt
+            self._log.warning("ckpt.save.clear_torn", dir=rel)
+            self.storage.remove_tree(rel)
+        self.storage.makedirs(rel)
+        return "fresh"
+
+    def _commit(self, step: int, entries: list[dict[str, tuple[int, int]]]) -> Manifest:
+        rel = step_dir(step)
+        files: dict[str, FileEntry] = {}
+        for per_rank in entries:
+            for name, (crc, size) in per_rank.items():
+                if name.endswith(".tmp"):  # DCP writes .metadata.tmp, then renames it
+                    continue
+                files[name] = FileEntry(size=size, crc32=crc)
+        crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}")
+        files[_DCP_METADATA] = FileEntry(size=size, crc32=crc)
+        for name, entry in files.items():  # what storage holds is what we hashed
+            found = self.storage.size(f"{rel}/{name}")
+            if found != entry.size:
+                raise CheckpointError(
+                    f"{rel}/{name} holds {found} bytes after the write, expected {entry.size}"
+                )
+        manifest = Manifest(
+            step=step,
+            world_size=self.world_size,
+            files=files,
+            torch_version=torch.__version__,
+            resilient_version=__version__,
+        )
+        self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+        return manifest
+
+    def _retain(self) -> None:
+        """Delete committed checkpoints beyond keep_last and torn saves older than the newest."""
+        infos = self.list()
+        committed = [i.step for i in infos if i.committed]
+        if not committed:
+            return
+        keep = set(committed[-self.config.keep_last :])
+        newest = committed[-1]
+        for info in infos:
+            if info.step in keep:
+                continue
+            if info.committed:
+                reason = f"beyond keep_last={self.config.keep_last}"
+            elif info.step < newest:
+                reason = "unfinished save older than the newest checkpoint"
+            else:
+                continue  # may be a save in flight elsewhere: never touched
+            self.storage.remove_tree(step_dir(info.step))
+            self._log.info("ckpt.retention.delete", step=info.step, reason=reason)
+
+    # ---------------------------------------------------------------- load
+    def load_latest(self, state: TrainState) -> int | None:
+        """Load the newest checkpoint that verifies into `state`; return its step.
+
+        Falls back to older checkpoints when one fails verification (logged with the file and
+        what was expected). Returns None, after logging a fresh start, when there is none.
+        Raises CheckpointMismatchError when a valid checkpoint does not fit the tracked state.
+        """
+        self.wait()
+        t0 = time.perf_counter()
+        candidates = self._agree(lambda: [i.step for i in reversed(self.list()) if i.committed])
+        for step in candidates:
+            try:
+                manifest = self._agree(lambda s=step: self.read_manifest(s))
+            except CheckpointCorruptError as e:
+                self._log.error("ckpt.fallback", step=step, reason=str(e))
+                continue
+            problems = [p for ps in self._gather_all(self.verify(step, manifest)) for p in ps]
+            if problems:
+                self._log.error(
+                    "ckpt.fallback", step=step, reason="verification failed", problems=problems
+                )
+                continue
+            try:
+                self._load(state, step, manifest)
+            except (CheckpointMismatchError, ConfigError):
+                raise
+            except Exception as e:
+                self._log.error("ckpt.fallback", step=step, reason=f"{type(e).__name__}: {e}")
+                continue
+            self.last_committed = step
+            self._log.info(
+                "ckpt.load",
+                step=step,
+                bytes=manifest.total_bytes,
+                saved_world_size=manifest.world_size,
+                seconds=round(time.perf_counter() - t0, 4),
+            )
+            return step
+        self._log.info(
+            "ckpt.fresh_start",
+            url=self.storage.url,
+            reason="no valid checkpoint" if candidates else "no checkpoint",
+        )
+        return None
+
+    def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
+        reader = SafeReader(self.storage.path(step_dir(step)))
+        md = reader.read_metadata()
+        saved = md.state_dict_metadata
+        self._check_fits(state, saved, step)
+        same_world = manifest.world_size == self.world_size
+        if not same_world:
+            self._log.warning(
+                "ckpt.load.reshard",
+                step=step,
+                saved_world_size=manifest.world_size,
+                world_size=self.world_size,
+                note="per-rank state (RNG, dataloader position) is not restored",
+            )
+        template = state.load_template(
+            rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved
+        )
+        dcp.load(
+            template,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(),
+            process_group=self._pg,
+            no_dist=not self._distributed,
+        )
+        state.apply(template, rank=self.rank)
+
+    def _check_fits(self, state: TrainState, saved: dict[str, Any], step: int) -> None:
+        if state.model is None:
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        want = {
+            k: tuple(v.shape)
+            for k, v in get_model_state_dict(state.model).items()
+            if isinstance(v, torch.Tensor)
+        }
+        have = {
+            k[len("model.") :]: tuple(getattr(v, "size", ()))
+            for k, v in saved.items()
+            if k.startswith("model.")
+        }
+        missing = sorted(set(want) - set(have))
+        unexpected = sorted(set(have) - set(want))
+        shapes = sorted(
+            f"{k}: checkpoint {have[k]} vs model {want[k]}"
+            for k in set(want) & set(have)
+            if have[k] != want[k]
+        )
+        if missing or unexpected or shapes:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.storage.url}/{step_dir(step)} does not match the tracked model: "
+                f"missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}, "
+                f"unexpected keys {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}"
+                + (f", shape mismatches {shapes[:10]}" if shapes else "")
+                + ". Point the checkpoint location at this model's checkpoints, or use a new one."
+            )
+
+    # ---------------------------------------------------------------- lifecycle
+    def _get_executor(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt")
+        return self._executor
+
+    def _get_stager(self) -> DefaultStager:
+        if self._stager is None:
+            # Background staging works on CPU and GPU; pinned memory and non-blocking copies
+            # need an accelerator, so they are on only where CUDA is.
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+    def close(self) -> None:
+        """Wait for the in-flight save and release threads and staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None

@@ -1,0 +1,95 @@
+"""manifest.json: the record that makes a checkpoint directory a checkpoint.
+
+Written last, by one rank, after every rank's files are durable. It lists every file with its
+size and crc32, so loading can catch torn or bit-flipped files before any tensor is used.
+crc32 catches accidents (torn writes, bit flips), not tampering: it is not a signature.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from resilient.errors import CheckpointCorruptError
+
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "FileEntry", "Manifest", "parse_step_dir", "step_dir"]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{9,})$")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of the checkpoint taken after `step` steps."""
+    return f"step_{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a checkpoint directory name, None for anything else (foreign objects)."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    crc32: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    step: int
+    world_size: int
+    files: dict[str, FileEntry]
+    torch_version: str
+    resilient_version: str
+    created_at: float = field(default_factory=time.time)
+    user: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    checksum: str = "crc32"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        return json.dumps(d, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> Manifest:
+        """Parse and validate; raise CheckpointCorruptError naming `where` on any defect."""
+        try:
+            d = json.loads(data)
+            if not isinstance(d, dict):
+                raise TypeError("not a JSON object")
+            version = d.get("format_version")
+            if version != FORMAT_VERSION:
+                raise CheckpointCorruptError(
+                    f"{where}: manifest format_version {version!r} is not supported "
+                    f"(this resilient reads {FORMAT_VERSION}); load it with the version that wrote it"
+                )
+            files = {
+                str(k): FileEntry(size=int(v["size"]), crc32=int(v["crc32"]))
+                for k, v in d["files"].items()
+            }
+            return cls(
+                step=int(d["step"]),
+                world_size=int(d["world_size"]),
+                files=files,
+                torch_version=str(d["torch_version"]),
+                resilient_version=str(d["resilient_version"]),
+                created_at=float(d["created_at"]),
+                user=dict(d.get("user", {})),
+                checksum=str(d.get("checksum", "crc32")),
+            )
+        except CheckpointCorruptError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CheckpointCorruptError(
+                f"{where}: unreadable manifest ({type(e).__name__}: {e})"
+            ) from e

@@ -1,0 +1,183 @@
+"""The complete training state as one DCP state dict, and how it is put back.
+
+Layout (every top-level key is one DCP entry):
+- "model", "optim": from torch.distributed.checkpoint.state_dict, so DDP, FSDP2 and a plain
+  module share FQNs and DCP can reshard between world sizes.
+- "common": one blob every rank has alike (step, scheduler, user extras); DCP keeps one copy.
+- "rank<R>": one blob per rank (RNG states, dataloader position). Per-rank keys, because DCP
+  keeps a single copy of anything saved under a shared key (TORCH_NOTES gotcha 4).
+Blobs are torch.save'd bytes read back with weights_only=True: plain data and tensors only.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = ["StatefulLike", "TrainState", "capture_rng", "restore_rng", "state_digest"]
+
+
+class StatefulLike(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def _pack(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch CPU, and CUDA where initialised."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *[x for x in np_state[2:]]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy(), *n[2:]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainState:
+    """What a checkpoint holds. `per_rank` and `common` objects need state_dict/load_state_dict."""
+
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    common: dict[str, StatefulLike] = field(default_factory=dict)
+    """Identical on every rank: LR scheduler, grad scaler, user extras."""
+    per_rank: dict[str, StatefulLike] = field(default_factory=dict)
+    """Different on each rank: the dataloader position."""
+    rng: bool = True
+    """Save and restore per-rank RNG states (needed for bit-exact resume with dropout)."""
+
+    def to_state_dict(self, *, step: int, rank: int) -> dict[str, Any]:
+        """The DCP state dict for a save after `step` steps. Tensors are live references."""
+        sd: dict[str, Any] = {}
+        if self.model is not None:
+            sd["model"] = get_model_state_dict(self.model)
+            if self.optimizer is not None:
+                sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        sd["common"] = _pack({"step": step, **{k: v.state_dict() for k, v in self.common.items()}})
+        per_rank = {k: v.state_dict() for k, v in self.per_rank.items()}
+        if self.rng:
+            per_rank["__rng__"] = capture_rng()
+        sd[f"rank{rank}"] = _pack(per_rank)
+        return sd
+
+    def load_template(self, *, rank: int, has_rank_blob: bool) -> dict[str, Any]:
+        """A state dict for dcp.load to fill in place."""
+        sd: dict[str, Any] = {}
+        if self.model is not None:
+            sd["model"] = get_model_state_dict(self.model)
+            if self.optimizer is not None:
+                sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        sd["common"] = b""
+        if has_rank_blob:
+            sd[f"rank{rank}"] = b""
+        return sd
+
+    def apply(self, sd: dict[str, Any], *, rank: int) -> int:
+        """Put a loaded state dict back into the live objects; returns the saved step."""
+        if self.model is not None:
+            set_model_state_dict(self.model, sd["model"])
+            if self.optimizer is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
+        common = _unpack(sd["common"])
+        for k, obj in self.common.items():
+            if k in common:
+                obj.load_state_dict(common[k])
+        blob = sd.get(f"rank{rank}")
+        if blob:
+            per_rank = _unpack(blob)
+            for k, obj in self.per_rank.items():
+                if k in per_rank:
+                    obj.load_state_dict(per_rank[k])
+            if self.rng and "__rng__" in per_rank:
+                restore_rng(per_rank["__rng__"])
+        return int(common["step"])
+
+
+class Extra:
+    """Wraps get/set callables as a Stateful, for user extras that are plain values."""
+
+    def __init__(self, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
+        self._get, self._set = get, set
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self._get()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._set(state_dict["value"])
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """sha256 over the full (unsharded) model and optimizer state, equal on every rank.
+
+    A collective under DDP/FSDP: every rank must call it. Used to prove bit-exact resume.
+    """
+    import hashlib
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    h = hashlib.sha256()
+    items: list[tuple[str, Any]] = sorted(get_model_state_dict(model, options=opts).items())
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer, options=opts)
+        items += _flatten("optim", osd)
+    for key, val in items:
+        h.update(key.encode())
+        if isinstance(val, torch.Tensor):
+            t = val.full_tensor() if hasattr(val, "full_tensor") else val
+            t = t.detach().cpu().contiguous()
+            h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(val).encode())
+    return h.hexdigest()
+
+
+def _flatten(prefix: str, obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        out: list[tuple[str, Any]] = []
+        for k in sorted(obj, key=str):
+            out += _flatten(f"{prefix}.{k}", obj[k])
+        return out
+    if isinstance(obj, list | tuple):
+        out = []
+        for i, v in enumerate(obj):
+            out += _flatten(f"{prefix}[{i}]", v)
+        return out
+    return [(prefix, obj)]

@@ -1,0 +1,95 @@
+"""structlog set-up: JSON lines per rank under the run directory, readable lines on the console.
+
+Importing this module configures nothing; `configure()` is called by `resilient.init()`.
+A user who configured structlog themselves keeps their configuration (`respect_existing`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+__all__ = ["configure", "get_logger"]
+
+_configured_file: TextIO | None = None
+_CONSOLE_HIDDEN = {"run_id", "pid", "ts"}  # in the JSON file; noise on a console
+_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
+
+
+def get_logger(**initial: Any) -> Any:
+    """A structlog logger; events carry `run_id`, `rank`, `restart` once `configure` ran."""
+    return structlog.get_logger("resilient", **initial)
+
+
+class _Tee:
+    """Renders each event twice: JSON to the rank's file, readable text to stderr."""
+
+    def __init__(self, json_file: TextIO | None, console_level: int) -> None:
+        self._json = structlog.processors.JSONRenderer(sort_keys=False)
+        self._console = structlog.dev.ConsoleRenderer(colors=False, pad_event_to=28)
+        self._file = json_file
+        self._console_level = console_level
+
+    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> str:
+        level = _LEVELS.get(str(event_dict.get("level", "info")).upper(), logging.INFO)
+        if self._file is not None:
+            self._file.write(self._json(logger, method, dict(event_dict)) + "\n")
+            self._file.flush()
+        if level >= self._console_level:
+            short = {k: v for k, v in event_dict.items() if k not in _CONSOLE_HIDDEN}
+            return self._console(logger, method, short)
+        raise structlog.DropEvent
+
+
+def configure(
+    *,
+    run_dir: str | os.PathLike[str] | None,
+    run_id: str,
+    rank: int,
+    restart: int,
+    console_level: str = "INFO",
+    respect_existing: bool = True,
+) -> Path | None:
+    """Route resilient's events to `<run_dir>/logs/rank<R>.jsonl` and to stderr.
+
+    Returns the JSON log path (None without a run directory). Safe to call twice: the second
+    call reopens the file (a restarted worker appends to the same file).
+    """
+    global _configured_file
+    if respect_existing and structlog.is_configured() and _configured_file is None:
+        return None
+    path: Path | None = None
+    if _configured_file is not None:
+        _configured_file.close()
+        _configured_file = None
+    if run_dir is not None:
+        path = Path(run_dir) / "logs" / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _configured_file = path.open("a", encoding="utf-8")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            _add_static(run_id=run_id, rank=rank, restart=restart, pid=os.getpid()),
+            structlog.processors.format_exc_info,
+            _Tee(_configured_file, _LEVELS[console_level.upper()]),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    return path
+
+
+def _add_static(**fields: Any) -> Any:
+    def processor(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        for k, v in fields.items():
+            event_dict.setdefault(k, v)
+        return event_dict
+
+    return processor

@@ -1,0 +1,124 @@
+"""Process groups from torchrun's environment: the training group plus two gloo side groups.
+
+- training group: gloo on CPU, "cpu:gloo,cuda:nccl" on GPU (async save needs a CPU backend).
+- control group (gloo): agreement traffic (save decisions, later heartbeats and OOM votes).
+- checkpoint group (gloo): DCP's collectives, which run from a background thread during async
+  saves; sharing the training group there deadlocked (TORCH_NOTES gotcha 3).
+
+Each restart attempt gets its own PrefixStore namespace on the agent's store: reusing the
+store's keys across restarts broke gloo's connectFullMesh (TORCH_NOTES gotcha 2).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.errors import ConfigError
+
+__all__ = ["DistContext", "init_distributed", "shutdown_distributed"]
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    restart: int
+    run_id: str
+    host: str
+    backend: str | None
+    control_group: Any = None
+    checkpoint_group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from e
+
+
+def init_distributed(
+    *, backend: str | None = None, timeout_s: float = 1800.0, side_timeout_s: float = 300.0
+) -> DistContext:
+    """Join the group torchrun describes in the environment; a single process without it.
+
+    Raises ConfigError when the environment is incomplete. Waits up to `timeout_s` for peers.
+    """
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("RESILIENT_RUN_ID") or "local"
+    host = socket.gethostname()
+    if "RANK" not in os.environ:
+        return DistContext(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            restart=restart,
+            run_id=run_id,
+            host=host,
+            backend=None,
+        )
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"RANK is set but {', '.join(missing)} is not: launch with torchrun "
+            "or `resilient run`, or set the full torch.distributed environment"
+        )
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():  # the user made the group: use it, add our side groups
+        backend = str(dist.get_backend())
+    else:
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            _env_int("MASTER_PORT", 0),
+            world_size=world,
+            is_master=(rank == 0 and not agent_store),
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        prefixed = dist.PrefixStore(f"resilient/attempt_{restart}", store)
+        dist.init_process_group(
+            backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
+        )
+    side = timedelta(seconds=side_timeout_s)
+    control = dist.new_group(backend="gloo", timeout=side)
+    ckpt = dist.new_group(backend="gloo", timeout=side)
+    return DistContext(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        restart=restart,
+        run_id=run_id,
+        host=host,
+        backend=backend,
+        control_group=control,
+        checkpoint_group=ckpt,
+    )
+
+
+def shutdown_distributed(ctx: DistContext) -> None:
+    """Barrier, then destroy: destroy alone aborted now and then (TORCH_NOTES gotcha 10)."""
+    if ctx.distributed and dist.is_initialized():
+        dist.barrier(group=ctx.control_group)
+        dist.destroy_process_group()

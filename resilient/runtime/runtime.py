@@ -1,0 +1,278 @@
+"""The in-worker runtime: what `resilient.init()` returns.
+
+It owns the process groups, the event log, the tracked training state and the step loop
+that resumes from the newest valid checkpoint and saves on a policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient import log
+from resilient.checkpoint import CheckpointConfig, CheckpointManager, TrainState
+from resilient.checkpoint.state import StatefulLike
+from resilient.errors import ConfigError
+from resilient.runtime.batches import ResumableBatches
+from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
+
+__all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
+
+# Environment overrides, set by `resilient run` or by hand; they win over defaults, not over
+# values passed explicitly to init().
+ENV_CHECKPOINT_DIR = "RESILIENT_CHECKPOINT_DIR"
+ENV_RUN_DIR = "RESILIENT_RUN_DIR"
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """How the runtime saves and logs. Checkpoint storage details live in `checkpoint`."""
+
+    checkpoint: CheckpointConfig
+    """Where checkpoints go and how they are written."""
+    run_dir: str | None = None
+    """Per-rank JSON event logs go to <run_dir>/logs. Default: $RESILIENT_RUN_DIR, else
+    ./runs/<run id>."""
+    save_every_steps: int | None = 100
+    """Save after every N completed steps; None to save on time only."""
+    save_every_seconds: float | None = None
+    """Save when this many seconds passed since the last save (decided by rank 0 for all)."""
+    save_at_end: bool = True
+    """Save (synchronously) when `steps()` reaches `total`."""
+    backend: str | None = None
+    """Training process-group backend; default gloo on CPU, cpu:gloo,cuda:nccl on GPU."""
+    pg_timeout_s: float = 1800.0
+    """Collective timeout of the training group."""
+    side_timeout_s: float = 300.0
+    """Collective timeout of the control and checkpoint groups."""
+    console_level: str = "INFO"
+    """Lowest level shown on the console; the JSON log keeps everything."""
+
+    def __post_init__(self) -> None:
+        if self.save_every_steps is not None and self.save_every_steps < 1:
+            raise ConfigError(f"save_every_steps must be >= 1 or None, got {self.save_every_steps}")
+        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
+            raise ConfigError(
+                f"save_every_seconds must be > 0 or None, got {self.save_every_seconds}"
+            )
+        if self.side_timeout_s <= 0 or self.pg_timeout_s <= 0:
+            raise ConfigError("pg_timeout_s and side_timeout_s must be > 0 seconds")
+        if self.console_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ConfigError(
+                f"console_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, "
+                f"got {self.console_level!r}"
+            )
+
+
+_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"checkpoint"}
+_CKPT_FIELDS = {f.name for f in dataclasses.fields(CheckpointConfig)} - {"url"}
+
+
+def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -> Runtime:
+    """Join the process group launched by torchrun and return the Runtime.
+
+    `checkpoint_dir` is a local directory or fsspec URL (default $RESILIENT_CHECKPOINT_DIR,
+    else ./checkpoints). `options` are fields of RuntimeConfig or CheckpointConfig, e.g.
+    `save_every_steps=50, keep_last=2, async_save=False`. Raises ConfigError on an unknown
+    option or a value out of range. Waits up to `pg_timeout_s` for the other ranks.
+    """
+    unknown = set(options) - _RUNTIME_FIELDS - _CKPT_FIELDS
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {sorted(unknown)}; valid options are "
+            f"{sorted(_RUNTIME_FIELDS | _CKPT_FIELDS)}"
+        )
+    url = (
+        os.fspath(checkpoint_dir)
+        if checkpoint_dir is not None
+        else (os.environ.get(ENV_CHECKPOINT_DIR) or "checkpoints")
+    )
+    ckpt = CheckpointConfig(url=url, **{k: v for k, v in options.items() if k in _CKPT_FIELDS})
+    cfg = RuntimeConfig(
+        checkpoint=ckpt, **{k: v for k, v in options.items() if k in _RUNTIME_FIELDS}
+    )
+    return Runtime(cfg)
+
+
+class Runtime:
+    """Resumable, checkpointed training around a user's loop. Create it with `init()`."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.ctx: DistContext = init_distributed(
+            backend=config.backend,
+            timeout_s=config.pg_timeout_s,
+            side_timeout_s=config.side_timeout_s,
+        )
+        run_dir = (
+            config.run_dir or os.environ.get(ENV_RUN_DIR) or os.path.join("runs", self.ctx.run_id)
+        )
+        self.run_dir = os.path.abspath(run_dir)
+        self.log_path = log.configure(
+            run_dir=self.run_dir,
+            run_id=self.ctx.run_id,
+            rank=self.ctx.rank,
+            restart=self.ctx.restart,
+            console_level=config.console_level,
+        )
+        self.log = log.get_logger()
+        self.state = TrainState()
+        self.checkpoints = CheckpointManager(
+            config.checkpoint, process_group=self.ctx.checkpoint_group
+        )
+        self.step = 0
+        """Steps completed so far (the step a checkpoint taken now would carry)."""
+        self._batches: ResumableBatches | None = None
+        self._resumed = False
+        self._last_save_time = time.monotonic()
+        self._hooks: list[Any] = []
+        self.log.info(
+            "runtime.init",
+            world_size=self.ctx.world_size,
+            backend=self.ctx.backend,
+            host=self.ctx.host,
+            local_rank=self.ctx.local_rank,
+            checkpoint_url=config.checkpoint.url,
+            run_dir=self.run_dir,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    # ------------------------------------------------------------------ tracking
+    def track(
+        self,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        loader: Any = None,
+        **extras: StatefulLike,
+    ) -> None:
+        """Register what a checkpoint holds. Call once, before `steps()`.
+
+        `loader` should be a torchdata StatefulDataLoader; iterate it through `batches()`
+        so its position and epoch are checkpointed. `extras` are objects with
+        state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
+        """
+        if self._resumed:
+            raise RuntimeError("track() must be called before steps() starts")
+        if optimizer is not None and model is None:
+            raise ConfigError(
+                "track(optimizer=...) needs model=... too (optimizer state is "
+                "saved by parameter name)"
+            )
+        common: dict[str, StatefulLike] = dict(extras)
+        if scheduler is not None:
+            common["scheduler"] = scheduler
+        per_rank: dict[str, StatefulLike] = {}
+        if loader is not None:
+            if not hasattr(loader, "state_dict"):
+                raise ConfigError(
+                    f"loader {type(loader).__name__} has no state_dict(): use "
+                    "torchdata.stateful_dataloader.StatefulDataLoader so its position is saved"
+                )
+            self._batches = ResumableBatches(loader)
+            per_rank["loader"] = self._batches
+        self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
+        self._install_fences(model, optimizer)
+
+    def _install_fences(self, model: nn.Module | None, optimizer: Any) -> None:
+        # An async save copies tensors in the background; nothing may change them until the
+        # copy is done (pytorch#144657). Parameters and optimizer state change in step();
+        # buffers (BatchNorm statistics, DDP's buffer broadcast) change in forward().
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        fence = self.checkpoints.wait_staged
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: fence()))
+        if model is not None and any(True for _ in model.buffers()):
+            self._hooks.append(model.register_forward_pre_hook(lambda *_: fence()))
+
+    def batches(self) -> Iterator[Any]:
+        """Endless iterator over the tracked loader, across epochs, resuming mid-epoch."""
+        if self._batches is None:
+            raise RuntimeError("batches() needs track(loader=...) first")
+        return self._batches
+
+    # ------------------------------------------------------------------ the loop
+    def resume(self) -> int:
+        """Load the newest valid checkpoint, if any, and return the step to continue from.
+
+        Raises StorageError if the checkpoint location is not writable and
+        CheckpointMismatchError if its checkpoints belong to another model.
+        """
+        if not self._resumed:
+            self.checkpoints.check_writable()
+            loaded = self.checkpoints.load_latest(self.state)
+            self.step = loaded or 0
+            self._resumed = True
+            self._last_save_time = time.monotonic()
+            self.log.info("runtime.resume", step=self.step, from_checkpoint=loaded is not None)
+        return self.step
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step numbers from the resumed step up to `total` (exclusive).
+
+        After each step's body finishes, saves when the policy says so; at `total`, a final
+        synchronous save. Leaving the loop early waits for a save in flight.
+        """
+        if total < 0:
+            raise ConfigError(f"total must be >= 0, got {total}")
+        start = self.resume()
+        try:
+            for step in range(start, total):
+                yield step
+                self.step = step + 1
+                if self.step < total and self._should_save():
+                    self.save()
+            if self.config.save_at_end and total > start:
+                self.save(blocking=True)
+        finally:
+            self.checkpoints.wait()
+        self.log.info("runtime.done", step=self.step)
+
+    def _should_save(self) -> bool:
+        every = self.config.save_every_steps
+        due = every is not None and self.step % every == 0
+        secs = self.config.save_every_seconds
+        if secs is not None and not due:
+            due = time.monotonic() - self._last_save_time >= secs
+            if self.ctx.distributed:  # clocks differ: rank 0 decides for everyone
+                box = [due]
+                dist.broadcast_object_list(box, src=0, group=self.ctx.control_group)
+                due = bool(box[0])
+        return due
+
+    def save(self, *, blocking: bool | None = None) -> None:
+        """Checkpoint the tracked state at the current step (async unless configured)."""
+        self._last_save_time = time.monotonic()
+        self.checkpoints.save(self.state, self.step, blocking=blocking)
+
+    def close(self) -> None:
+        """Wait for saves, leave the process groups. Safe to call twice."""
+        self.checkpoints.close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        shutdown_distributed(self.ctx)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv in the checkout and install resilient with its dev extra.
+# On machines without CUDA, torch is pinned to the CPU build through constraints-cpu.txt.
+# Idempotent: a second run with an unchanged pyproject.toml is a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+stamp="$VENV/.installed-$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then exit 0; fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+constraints=()
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  constraints=(-c constraints-cpu.txt)
+  echo "setup: no CUDA found, installing the CPU build of torch (constraints-cpu.txt)"
+fi
+"$VENV/bin/python" -m pip install -q "${constraints[@]}" -e ".[dev]"
+rm -f "$VENV"/.installed-*
+touch "$stamp"
+echo "setup: ready ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
