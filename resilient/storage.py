@@ -13,7 +13,7 @@ import os
 import posixpath
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
 
@@ -195,7 +195,7 @@ class Storage:
         return self._call(f"checksum {rel}", run)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
-        """Make `data` visible at `rel` all at once: tmp + fsync + rename locally, one PUT remotely."""
+        """Make `data` visible at `rel` at once: tmp+fsync+rename locally, one PUT remotely."""
         target = self.path(rel)
         if not self.is_local:
             self._call(f"put {rel}", lambda: self.fs.pipe_file(target, data))
@@ -244,11 +244,6 @@ class Storage:
                 f"{_redact(str(e))}). Create it with write permission for this user, or point "
                 "checkpoint_dir at a writable location."
             ) from e
-
-    def iter_chunks(self, rel: str) -> Iterator[bytes]:
-        with self.fs.open(self.path(rel), "rb") as f:
-            while chunk := f.read(_CHUNK):
-                yield chunk
 
 
 def fsync_dir(path: str) -> None:

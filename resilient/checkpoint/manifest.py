@@ -71,7 +71,8 @@ class Manifest:
             if version != FORMAT_VERSION:
                 raise CheckpointCorruptError(
                     f"{where}: manifest format_version {version!r} is not supported "
-                    f"(this resilient reads {FORMAT_VERSION}); load it with the version that wrote it"
+                    f"(this resilient reads {FORMAT_VERSION}); "
+                    "load it with the resilient version that wrote it"
                 )
             files = {
                 str(k): FileEntry(size=int(v["size"]), crc32=int(v["crc32"]))
