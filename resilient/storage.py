@@ -157,6 +157,10 @@ class Storage:
         """The absolute path (no protocol) of `parts` below the root."""
         return posixpath.join(self.root, *parts) if parts else self.root
 
+    def url_of(self, *parts: str) -> str:
+        """`parts` below the root as a URL with its protocol (s3://bucket/...)."""
+        return str(self.fs.unstrip_protocol(self.path(*parts)))
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return self.retry.call(what, fn)
 

@@ -1,14 +1,14 @@
 """Our extensions of torch.distributed.checkpoint (DCP), kept in one place.
 
 Why each exists:
-- `ChecksummingWriter` records (size, crc32) of every file DCP writes, computed inline as the
-  bytes go by, so the manifest needs no second read of the checkpoint.
-- `SafeReader` and `SafeLoadPlanner`: stock DCP 2.13 reads `.metadata` with `pickle.load` and
+- `make_writer` gives a writer that records (size, crc32) of every file DCP writes, computed
+  inline as the bytes go by, so the manifest needs no second read of the checkpoint.
+- `make_reader` and `SafeLoadPlanner`: stock DCP 2.13 reads `.metadata` with `pickle.load` and
   non-tensor values with `torch.load(weights_only=False)`; both run code from the checkpoint.
   We restrict both to plain data, so loading an untrusted checkpoint cannot execute code.
 
-It touches `FileSystemWriter.fs`, an attribute rather than a documented hook: the one place
-where we lean on DCP's internals.
+It touches `FileSystemWriter.fs`, an attribute rather than a documented hook, and two private
+modules: this is the one place where we lean on DCP's internals.
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import (
-    set_element,  # private: mirrors DefaultLoadPlanner
-)
+
+# Private modules, used only here: torch 2.13 exports no fsspec reader/writer publicly, and
+# set_element is how DefaultLoadPlanner.load_bytes stores a value (we mirror that method).
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-__all__ = ["ChecksummingWriter", "SafeLoadPlanner", "SafeReader", "read_metadata_safely"]
+from resilient.storage import Storage
+
+__all__ = ["SafeLoadPlanner", "make_reader", "make_writer", "read_metadata_safely"]
 
 
 class _HashingStream:
@@ -94,13 +98,41 @@ class _HashingFileSystem:
             self._sink[name] = (stream.crc, stream.size)
 
 
-class ChecksummingWriter(FileSystemWriter):
+class _LocalWriter(FileSystemWriter):
     """FileSystemWriter that exposes `file_checksums`: {file name: (crc32, size)} for this rank."""
 
-    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, path: str, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.file_checksums: dict[str, tuple[int, int]] = {}
         self.fs = _HashingFileSystem(self.fs, self.file_checksums, threading.Lock())  # type: ignore[assignment]
+
+
+class _RemoteWriter(FsspecWriter):
+    """FsspecWriter on the Storage's own filesystem object, with `file_checksums`.
+
+    Reusing the Storage's filesystem keeps its endpoint and credentials: FsspecWriter would
+    otherwise build a second one from the URL alone (TORCH_NOTES gotcha 7).
+    """
+
+    def __init__(self, url: str, fs: Any, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.fs.fs = fs
+        self.file_checksums: dict[str, tuple[int, int]] = {}
+        self.fs = _HashingFileSystem(self.fs, self.file_checksums, threading.Lock())  # type: ignore[assignment]
+
+
+def make_writer(storage: Storage, rel: str, *, thread_count: int) -> Any:
+    """A DCP storage writer for directory `rel` of `storage`, recording file checksums.
+
+    Locally files are fsynced by DCP. Remotely `sync_files` stays off: on a stream without
+    fileno() DCP falls back to a system-wide os.sync() (pytorch#142396); an object is durable
+    once its PUT returns.
+    """
+    if storage.is_local:
+        return _LocalWriter(storage.path(rel), sync_files=True, thread_count=thread_count)
+    return _RemoteWriter(
+        storage.url_of(rel), storage.fs, sync_files=False, thread_count=thread_count
+    )
 
 
 # Globals a DCP .metadata pickle may name; anything else is refused.
@@ -148,8 +180,12 @@ def read_metadata_safely(stream: io.BufferedIOBase | Any) -> Metadata:
     return md
 
 
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is read with a restricted unpickler."""
+class _SafeMetadata:
+    """Reads `.metadata` with a restricted unpickler (mixed into DCP's readers)."""
+
+    fs: Any
+    load_id: Any
+    _get_metadata_path: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -159,6 +195,23 @@ class SafeReader(FileSystemReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+class _LocalReader(_SafeMetadata, FileSystemReader):
+    pass
+
+
+class _RemoteReader(_SafeMetadata, FsspecReader):
+    def __init__(self, url: str, fs: Any) -> None:
+        super().__init__(url)
+        self.fs.fs = fs
+
+
+def make_reader(storage: Storage, rel: str) -> Any:
+    """A DCP storage reader for directory `rel` of `storage` that cannot execute pickled code."""
+    if storage.is_local:
+        return _LocalReader(storage.path(rel))
+    return _RemoteReader(storage.url_of(rel), storage.fs)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

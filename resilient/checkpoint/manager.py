@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from resilient import __version__
-from resilient.checkpoint._dcp import ChecksummingWriter, SafeLoadPlanner, SafeReader
+from resilient.checkpoint._dcp import SafeLoadPlanner, make_reader, make_writer
 from resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -236,11 +236,7 @@ class CheckpointManager:
             if self._agree(lambda: self._prepare_dir(rel)) == "exists":
                 self._log.info("ckpt.save.skipped", step=step, reason="already committed")
                 return step
-            writer = ChecksummingWriter(
-                self.storage.path(rel),
-                sync_files=self.storage.is_local,
-                thread_count=self.config.write_threads,
-            )
+            writer = make_writer(self.storage, rel, thread_count=self.config.write_threads)
             dcp.save(
                 sd,
                 storage_writer=writer,
@@ -373,7 +369,7 @@ class CheckpointManager:
         return None
 
     def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
-        reader = SafeReader(self.storage.path(step_dir(step)))
+        reader = make_reader(self.storage, step_dir(step))
         md = reader.read_metadata()
         saved = md.state_dict_metadata
         self._check_fits(state, saved, step)
