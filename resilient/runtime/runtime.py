@@ -102,6 +102,11 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
     return Runtime(cfg)
 
 
+def _at_least_warning(level: str) -> str:
+    order = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    return order[max(order.index(level.upper()), 2)]
+
+
 class Runtime:
     """Resumable, checkpointed training around a user's loop. Create it with `init()`."""
 
@@ -121,7 +126,10 @@ class Runtime:
             run_id=self.ctx.run_id,
             rank=self.ctx.rank,
             restart=self.ctx.restart,
-            console_level=config.console_level,
+            # one voice on the console: other ranks show only warnings and errors
+            console_level=config.console_level
+            if self.ctx.rank == 0
+            else _at_least_warning(config.console_level),
         )
         self.log = log.get_logger()
         self.state = TrainState()
