@@ -36,7 +36,7 @@ def main() -> None:
 
     rt.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)  # resilient
     batches = rt.batches()  # resilient: resumable, epoch-aware iterator over the loader
-    for step in rt.steps(total=args.steps):  # resilient: resumes, saves on policy and at end
+    for step in rt.steps(total=args.steps, stop_at=args.stop_at):  # resilient: resumes, saves
         _, x, y = next(batches)
         _, loss = model(x.to(device), y.to(device))
         loss.backward()

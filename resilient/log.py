@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,10 +36,10 @@ class _Tee:
         self._file = json_file
         self._console_level = console_level
 
-    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> str:
+    def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
         level = _LEVELS.get(str(event_dict.get("level", "info")).upper(), logging.INFO)
         if self._file is not None:
-            self._file.write(self._json(logger, method, dict(event_dict)) + "\n")
+            self._file.write(str(self._json(logger, method, dict(event_dict))) + "\n")
             self._file.flush()
         if level >= self._console_level:
             short = {k: v for k, v in event_dict.items() if k not in _CONSOLE_HIDDEN}

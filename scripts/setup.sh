@@ -9,13 +9,16 @@ VENV=.venv
 stamp="$VENV/.installed-$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 constraints=()
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   constraints=(-c constraints-cpu.txt)
   echo "setup: no CUDA found, installing the CPU build of torch (constraints-cpu.txt)"
 fi
-"$VENV/bin/python" -m pip install -q "${constraints[@]}" -e ".[dev]"
+# grep drops this machine's pip-config noise about absent local mirrors; pip's status is kept
+"$VENV/bin/python" -m pip install -q "${constraints[@]}" -e ".[dev]" 2>&1 \
+  | { grep -v -e "is ignored: it is neither" -e "BuildBackendWarning" || true; }
+test "${PIPESTATUS[0]}" -eq 0
 rm -f "$VENV"/.installed-*
 touch "$stamp"
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

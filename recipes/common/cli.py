@@ -22,6 +22,12 @@ __all__ = ["build_loader", "device_for", "parse_args", "write_digest"]
 def parse_args(description: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="leave after this step with a checkpoint (the schedule still spans --steps)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)

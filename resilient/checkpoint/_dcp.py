@@ -20,7 +20,7 @@ import threading
 import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from resilient.errors import CheckpointCorruptError
 from resilient.storage import Storage
 
 __all__ = ["SafeLoadPlanner", "make_reader", "make_writer", "read_metadata_safely"]
@@ -116,7 +117,7 @@ class _RemoteWriter(FsspecWriter):
 
     def __init__(self, url: str, fs: Any, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
-        self.fs.fs = fs
+        cast(Any, self.fs).fs = fs
         self.file_checksums: dict[str, tuple[int, int]] = {}
         self.fs = _HashingFileSystem(self.fs, self.file_checksums, threading.Lock())  # type: ignore[assignment]
 
@@ -156,7 +157,13 @@ _ALLOWED_GLOBALS = {
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+        # Protocol 4 resolves a dotted name attribute by attribute, so "os.system" inside an
+        # allowed module would reach os.system: only plain names of classes defined there pass.
+        if module in _ALLOWED_MODULES and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -190,10 +197,13 @@ class _SafeMetadata:
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            md = read_metadata_safely(f)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+            try:
+                md = read_metadata_safely(f)
+            except (pickle.UnpicklingError, EOFError) as e:
+                raise CheckpointCorruptError(f"{path}: refused to load ({e})") from e
+        meta = getattr(md, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        md.storage_meta = meta
         return md
 
 

@@ -7,6 +7,7 @@ from a background thread while training runs its own (TORCH_NOTES gotcha 3).
 
 from __future__ import annotations
 
+import builtins
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -101,6 +102,9 @@ class CheckpointManager:
         self._pending: Future[int | None] | None = None
         self._log = get_logger()
         self.last_committed: int | None = None
+        # Steps that failed verification in load_latest: a later save of the same step
+        # replaces them instead of being skipped as "already committed".
+        self._rejected: set[int] = set()
 
     # ---------------------------------------------------------------- collectives
     def _bcast(self, obj: Any) -> Any:
@@ -135,7 +139,7 @@ class CheckpointManager:
         """Create the location if needed and prove it writable (rank 0), before training starts."""
         self._agree(self.storage.check_writable)
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoint directories under the root, oldest first. Foreign names are ignored."""
         infos = []
         for name in self.storage.list_dirs():
@@ -151,7 +155,7 @@ class CheckpointManager:
             self.storage.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"), where=where
         )
 
-    def verify(self, step: int, manifest: Manifest) -> list[str]:
+    def verify(self, step: int, manifest: Manifest) -> builtins.list[str]:
         """This rank's share of the file checks; returns the problems found (empty when valid)."""
         problems = []
         names = sorted(manifest.files)
@@ -264,11 +268,14 @@ class CheckpointManager:
             commit_s=round(done - written, 4),
         )
         if self.rank == 0:
-            self._retain()
+            self._retain(step)
         return step
 
     def _prepare_dir(self, rel: str) -> str:
-        if self.storage.exists(f"{rel}/{MANIFEST_NAME}"):
+        if parse_step_dir(rel) in self._rejected:
+            self._log.warning("ckpt.save.replace_invalid", dir=rel)
+            self.storage.remove_tree(rel)
+        elif self.storage.exists(f"{rel}/{MANIFEST_NAME}"):
             return "exists"
         if self.storage.exists(rel):  # a torn save of this step from an earlier attempt
             self._log.warning("ckpt.save.clear_torn", dir=rel)
@@ -276,7 +283,7 @@ class CheckpointManager:
         self.storage.makedirs(rel)
         return "fresh"
 
-    def _commit(self, step: int, entries: list[dict[str, tuple[int, int]]]) -> Manifest:
+    def _commit(self, step: int, entries: builtins.list[dict[str, tuple[int, int]]]) -> Manifest:
         rel = step_dir(step)
         files: dict[str, FileEntry] = {}
         for per_rank in entries:
@@ -302,13 +309,18 @@ class CheckpointManager:
         self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
         return manifest
 
-    def _retain(self) -> None:
-        """Delete committed checkpoints beyond keep_last and torn saves older than the newest."""
+    def _retain(self, just_committed: int) -> None:
+        """Delete committed checkpoints beyond keep_last and torn saves older than the newest.
+
+        The checkpoint just written is always kept: newer committed ones may exist that failed
+        verification (a run resumed from an older checkpoint), and they must not push out the
+        newest one known to be valid.
+        """
         infos = self.list()
         committed = [i.step for i in infos if i.committed]
         if not committed:
             return
-        keep = set(committed[-self.config.keep_last :])
+        keep = set(committed[-self.config.keep_last :]) | {just_committed}
         newest = committed[-1]
         for info in infos:
             if info.step in keep:
@@ -338,12 +350,14 @@ class CheckpointManager:
                 manifest = self._agree(lambda s=step: self.read_manifest(s))
             except CheckpointCorruptError as e:
                 self._log.error("ckpt.fallback", step=step, reason=str(e))
+                self._rejected.add(step)
                 continue
             problems = [p for ps in self._gather_all(self.verify(step, manifest)) for p in ps]
             if problems:
                 self._log.error(
                     "ckpt.fallback", step=step, reason="verification failed", problems=problems
                 )
+                self._rejected.add(step)
                 continue
             try:
                 self._load(state, step, manifest)
@@ -351,6 +365,7 @@ class CheckpointManager:
                 raise
             except Exception as e:
                 self._log.error("ckpt.fallback", step=step, reason=f"{type(e).__name__}: {e}")
+                self._rejected.add(step)
                 continue
             self.last_committed = step
             self._log.info(

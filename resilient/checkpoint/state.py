@@ -15,7 +15,7 @@ import io
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def _unpack(data: bytes) -> Any:
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states: python, numpy, torch CPU, and CUDA where initialised."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *[x for x in np_state[2:]]],

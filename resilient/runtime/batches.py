@@ -28,8 +28,9 @@ class ResumableBatches:
             getattr(self.loader, "sampler", None),
             getattr(getattr(self.loader, "batch_sampler", None), "sampler", None),
         ):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(self.epoch)
+            set_epoch = getattr(obj, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(self.epoch)
 
     def __iter__(self) -> ResumableBatches:
         return self

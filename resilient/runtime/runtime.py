@@ -233,26 +233,31 @@ class Runtime:
             self.log.info("runtime.resume", step=self.step, from_checkpoint=loaded is not None)
         return self.step
 
-    def steps(self, total: int) -> Iterator[int]:
+    def steps(self, total: int, *, stop_at: int | None = None) -> Iterator[int]:
         """Yield step numbers from the resumed step up to `total` (exclusive).
 
-        After each step's body finishes, saves when the policy says so; at `total`, a final
-        synchronous save. Leaving the loop early waits for a save in flight.
+        After each step's body finishes, saves when the policy says so. At `total`, or at
+        `stop_at` (leave early with a committed checkpoint, e.g. at the end of a time-sliced
+        allocation), a synchronous save. Leaving the loop by break or exception waits for a
+        save in flight but does not save.
         """
         if total < 0:
             raise ConfigError(f"total must be >= 0, got {total}")
+        if stop_at is not None and not 0 <= stop_at <= total:
+            raise ConfigError(f"stop_at must be in [0, total={total}], got {stop_at}")
+        end = total if stop_at is None else stop_at
         start = self.resume()
         try:
-            for step in range(start, total):
+            for step in range(start, end):
                 yield step
                 self.step = step + 1
-                if self.step < total and self._should_save():
+                if self.step < end and self._should_save():
                     self.save()
-            if self.config.save_at_end and total > start:
+            if self.config.save_at_end and end > start:
                 self.save(blocking=True)
         finally:
             self.checkpoints.wait()
-        self.log.info("runtime.done", step=self.step)
+        self.log.info("runtime.done", step=self.step, total=total)
 
     def _should_save(self) -> bool:
         every = self.config.save_every_steps

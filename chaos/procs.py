@@ -1,0 +1,157 @@
+"""Launching real runs and injecting process faults into them.
+
+Everything here acts only on processes it started: runs get their own session (process
+group), and faults target PIDs read from the run's own event log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Run", "events", "latest_event", "torchrun_cmd", "wait_for"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun_cmd(
+    script: str | Path,
+    args: Sequence[str],
+    *,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """A torchrun command line with a standalone rendezvous on a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        *extra,
+        str(script),
+        *args,
+    ]
+
+
+class Run:
+    """A launched command in its own process group, with stdout+stderr in a file."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            list(cmd),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=cwd or REPO,
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float) -> int:
+        """Exit code; on timeout the whole group is killed and TimeoutError raised."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(
+                f"run did not finish in {timeout:.0f} s; log: {self.log_path}"
+            ) from None
+        finally:
+            self._log.flush()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the run's whole process group (launcher, workers, dataloader workers)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        # a worker may outlive its launcher if the launcher was SIGKILLed: sweep the group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if not self._log.closed:
+            self._log.close()
+
+
+def events(run_dir: Path, rank: int | None = None) -> Iterator[dict[str, Any]]:
+    """Events from <run_dir>/logs/rank*.jsonl (a partial last line is skipped)."""
+    logs = (
+        sorted((run_dir / "logs").glob("rank*.jsonl"))
+        if rank is None
+        else [run_dir / "logs" / f"rank{rank}.jsonl"]
+    )
+    for path in logs:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                yield json.loads(line)
+
+
+def latest_event(
+    run_dir: Path,
+    name: str,
+    rank: int | None = None,
+    where: Callable[[dict[str, Any]], bool] = lambda e: True,
+) -> dict[str, Any] | None:
+    found = None
+    for e in events(run_dir, rank):
+        if e.get("event") == name and where(e):
+            found = e
+    return found
+
+
+def wait_for(
+    pred: Callable[[], Any],
+    *,
+    timeout: float,
+    what: str,
+    poll: float = 0.05,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> Any:
+    """Poll `pred` until it returns something truthy; TimeoutError naming `what` otherwise."""
+    deadline = clock() + timeout
+    while clock() < deadline:
+        value = pred()
+        if value:
+            return value
+        sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")

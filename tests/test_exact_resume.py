@@ -1,0 +1,105 @@
+"""Exact resume, end to end: real torchrun runs of the recipes on 2 CPU ranks.
+
+2k steps straight vs k steps, every process gone, then k more in fresh processes: the full
+model and optimizer state must be bit-for-bit equal. The same after a kill -9 of one rank
+under torchrun --max-restarts. A small corpus makes the runs cross an epoch boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from chaos.procs import REPO, Run, latest_event, torchrun_cmd, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+K = 12  # steps per half; the corpus below gives 19 steps per epoch, so 2K crosses one
+COMMON = ["--corpus-chars", "20000", "--batch-size", "8", "--save-every", "4", "--log-every", "1"]
+
+
+def _run(recipe: str, out: Path, stop_at: int, *, workers: int = 0, max_restarts: int = 0) -> Run:
+    """A 2K-step schedule that leaves after `stop_at` steps."""
+    args = [
+        *COMMON,
+        "--steps",
+        str(2 * K),
+        "--stop-at",
+        str(stop_at),
+        "--workers",
+        str(workers),
+        "--ckpt-dir",
+        str(out / "ckpt"),
+        "--run-dir",
+        str(out / "run"),
+    ]
+    return Run(
+        torchrun_cmd(REPO / "recipes" / recipe, args, max_restarts=max_restarts),
+        log_path=out / f"stdout-{stop_at}.log",
+        env={"PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _finish(run: Run, timeout: float = 180) -> None:
+    with run:
+        rc = run.wait(timeout)
+        assert rc == 0, f"exit code {rc}\n{run.output()[-4000:]}"
+
+
+def _digest(out: Path) -> dict[str, object]:
+    return json.loads((out / "run" / "final_digest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """Uninterrupted 2K-step runs, one per recipe and worker count."""
+    out: dict[str, dict[str, object]] = {}
+    for recipe, workers in (("train_ddp.py", 2), ("train_fsdp.py", 0)):
+        d = tmp_path_factory.mktemp(f"golden-{recipe}")
+        _finish(_run(recipe, d, 2 * K, workers=workers))
+        out[recipe] = _digest(d)
+    return out
+
+
+@pytest.mark.parametrize(("recipe", "workers"), [("train_ddp.py", 2), ("train_fsdp.py", 0)])
+def test_stop_and_resume_is_bit_exact(recipe: str, workers: int, golden: dict, tmp_path: Path):
+    _finish(_run(recipe, tmp_path, K, workers=workers))
+    first = _digest(tmp_path)
+    assert first["step"] == K
+    _finish(_run(recipe, tmp_path, 2 * K, workers=workers))
+    resumed = latest_event(
+        tmp_path / "run", "runtime.resume", rank=0, where=lambda e: e["from_checkpoint"]
+    )
+    assert resumed is not None and resumed["step"] == K
+    final = _digest(tmp_path)
+    assert final["step"] == 2 * K
+    assert final["digest"] == golden[recipe]["digest"]
+    assert first["digest"] != final["digest"]  # the second half did train
+
+
+def test_kill_9_one_rank_under_torchrun_restart_is_bit_exact(golden: dict, tmp_path: Path):
+    run = _run("train_ddp.py", tmp_path, 2 * K, workers=2, max_restarts=2)
+    run_dir = tmp_path / "run"
+    with run:
+        committed = wait_for(
+            lambda: latest_event(
+                run_dir, "ckpt.save.committed", rank=1, where=lambda e: e["step"] >= 8
+            ),
+            timeout=120,
+            what="a committed checkpoint at step >= 8",
+        )
+        victim = latest_event(run_dir, "runtime.init", rank=1)
+        assert victim is not None
+        os.kill(victim["pid"], signal.SIGKILL)
+        rc = run.wait(180)
+        assert rc == 0, run.output()[-4000:]
+    # the restarted group resumed from a committed checkpoint, no older than the one seen
+    resumed = latest_event(run_dir, "runtime.resume", rank=0, where=lambda e: e["restart"] == 1)
+    assert resumed is not None and resumed["from_checkpoint"]
+    assert resumed["step"] >= committed["step"]
+    assert resumed["step"] % 4 == 0
+    assert _digest(tmp_path)["digest"] == golden["train_ddp.py"]["digest"]
