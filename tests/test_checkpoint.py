@@ -1,0 +1,509 @@
+"""CheckpointManager in one process: exact round trips, the async fence, the commit protocol,
+retention, and bad input. Multi-rank resharding is in test_reshard.py."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import pickle
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import resilient
+from resilient import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointMismatchError,
+    ConfigError,
+    StorageError,
+    TrainState,
+    state_digest,
+)
+from resilient.checkpoint.manifest import step_dir
+from resilient.storage import RetryPolicy, crc32_of
+
+pytestmark = pytest.mark.timeout(60)
+
+Events = Callable[..., list[dict[str, Any]]]
+
+
+# ------------------------------------------------------------------------------ helpers
+class Trainee:
+    """A tiny model, AdamW and a StepLR, trained on data from its own generator."""
+
+    def __init__(self, seed: int, *, widths: tuple[int, ...] = (13, 7, 5)) -> None:
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        self.model = nn.Sequential(*layers[:-1])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
+        self.width = widths[0]
+
+    def train(self, steps: int, *, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(4, self.width, generator=g)
+            loss = self.model(x).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.sched.step()
+
+    def state(self) -> TrainState:
+        return TrainState(model=self.model, optimizer=self.opt, common={"scheduler": self.sched})
+
+    def digest(self) -> str:
+        return state_digest(self.model, self.opt)
+
+
+def manager(root: Path, **kw: Any) -> CheckpointManager:
+    kw.setdefault("async_save", False)
+    return CheckpointManager(CheckpointConfig(url=str(root), **kw))
+
+
+def draws() -> tuple[float, list[float], list[float]]:
+    """The next values of the python, numpy and torch global generators."""
+    return random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()
+
+
+def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
+    """Every path under `root` with its mtime, and size and sha256 for files."""
+    snap: dict[str, tuple[Any, ...]] = {".": ("dir", root.stat().st_mtime_ns)}
+    for p in sorted(root.rglob("*")):
+        st = p.stat()
+        rel = str(p.relative_to(root))
+        if p.is_dir():
+            snap[rel] = ("dir", st.st_mtime_ns)
+        else:
+            snap[rel] = (
+                "file",
+                st.st_mtime_ns,
+                st.st_size,
+                hashlib.sha256(p.read_bytes()).hexdigest(),
+            )
+    return snap
+
+
+def data_file(d: Path) -> Path:
+    (f,) = d.glob("*.distcp")
+    return f
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(int(p.parent.name[5:]) for p in root.glob("step_*/manifest.json"))
+
+
+# ------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_round_trip_is_bitwise_exact_with_scheduler_and_rng(
+    tmp_path: Path, async_save: bool
+) -> None:
+    root = tmp_path / "ckpt"
+    a = Trainee(0)
+    a.train(3)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    mgr = manager(root, async_save=async_save)
+    mgr.save(a.state(), step=3)
+    mgr.wait()
+    assert mgr.last_committed == 3
+    mgr.close()
+    want_digest, want_sched = a.digest(), a.sched.state_dict()
+    want_draws = draws()  # what the uninterrupted process draws next
+
+    files = sorted(p.name for p in (root / step_dir(3)).iterdir())
+    assert files == [".metadata", "__0_0.distcp", "manifest.json"]
+    manifest = json.loads((root / step_dir(3) / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 1
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp"]
+
+    b = Trainee(1)  # other weights, an optimizer without state, another RNG position
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    assert b.digest() != want_digest
+    mgr2 = manager(root)
+    assert mgr2.load_latest(b.state()) == 3
+    assert b.digest() == want_digest
+    assert b.sched.state_dict() == want_sched
+    assert b.opt.param_groups[0]["lr"] == a.opt.param_groups[0]["lr"]
+    assert draws() == want_draws
+
+    # Training on from the checkpoint gives the same bits as training on without one.
+    a.train(3, seed=7)
+    b.train(3, seed=7)
+    assert b.digest() == a.digest()
+
+
+@pytest.mark.timeout(120)
+def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
+    """pytorch#144657: after an async save returns, mutating live tensors must not leak into
+    the checkpoint. The runtime's fence is an optimizer step pre-hook calling wait_staged()."""
+    torch.manual_seed(0)
+    # 32 MiB of parameters plus 64 MiB of AdamW moments: staging takes a noticeable time.
+    model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 2048)).sum().backward()
+    opt.step()
+    want = state_digest(model, opt)
+
+    mgr = manager(tmp_path / "ckpt", async_save=True)
+    hook = opt.register_step_pre_hook(lambda *_: mgr.wait_staged())
+    try:
+        mgr.save(TrainState(model=model, optimizer=opt, rng=False), step=1)
+        opt.step()  # the grads are still there: params, moments and step all change in place
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        assert state_digest(model, opt) != want
+        assert mgr.wait() == 1
+    finally:
+        hook.remove()
+        mgr.close()
+
+    torch.manual_seed(1)
+    model2 = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    assert manager(tmp_path / "ckpt").load_latest(TrainState(model=model2, optimizer=opt2)) == 1
+    assert state_digest(model2, opt2) == want
+
+
+# ------------------------------------------------------------------------------ commit protocol
+@pytest.fixture
+def two_checkpoints(tmp_path: Path) -> tuple[Path, dict[int, str]]:
+    """Checkpoints of steps 1 and 2 under tmp_path/ckpt, with the digest of each."""
+    root = tmp_path / "ckpt"
+    t = Trainee(0)
+    mgr = manager(root)
+    digests = {}
+    for step in (1, 2):
+        t.train(1, seed=step)
+        mgr.save(t.state(), step=step)
+        digests[step] = t.digest()
+    mgr.close()
+    return root, digests
+
+
+def load_digest(root: Path, expect_step: int | None) -> str:
+    t = Trainee(5)
+    assert manager(root).load_latest(t.state()) == expect_step
+    return t.digest()
+
+
+def test_step_dir_without_manifest_is_never_loaded(
+    two_checkpoints: tuple[Path, dict[int, str]], events: Events
+) -> None:
+    root, digests = two_checkpoints
+    # A complete copy of step 2's data as step 3, minus the manifest: a save that died just
+    # before its commit. And a partial step 4: one data file of garbage.
+    shutil.copytree(root / step_dir(2), root / step_dir(3))
+    (root / step_dir(3) / "manifest.json").unlink()
+    (root / step_dir(4)).mkdir()
+    (root / step_dir(4) / "__0_0.distcp").write_bytes(os.urandom(100))
+    assert [(i.step, i.committed) for i in manager(root).list()] == [
+        (1, True),
+        (2, True),
+        (3, False),
+        (4, False),
+    ]
+    assert load_digest(root, 2) == digests[2]
+
+    (root / step_dir(2) / "manifest.json").unlink()  # now step 2 died before its commit too
+    assert load_digest(root, 1) == digests[1]
+    assert [e["step"] for e in events("ckpt.load")] == [2, 1]
+    assert events("ckpt.fallback") == []  # uncommitted dirs are not candidates at all
+
+
+def _malicious_pickle(marker: Path, *, dotted: bool) -> bytes:
+    """A .metadata that runs `touch marker` when unpickled by plain pickle.
+
+    `dotted` reaches os.system through a module our unpickler allows ("os.system" resolved
+    attribute by attribute under protocol 4) instead of naming posix.system directly.
+    """
+    if not dotted:
+
+        class Evil:
+            def __reduce__(self) -> tuple[Any, ...]:
+                return (os.system, (f"touch {marker}",))
+
+        return pickle.dumps(Evil(), protocol=4)
+    module = b"torch.distributed.checkpoint.filesystem"
+    cmd = f"touch {marker}".encode()
+    return (
+        b"\x80\x04"  # PROTO 4
+        + b"\x8c" + bytes([len(module)]) + module  # SHORT_BINUNICODE
+        + b"\x8c\x09os.system"
+        + b"\x93"  # STACK_GLOBAL
+        + b"\x8c" + bytes([len(cmd)]) + cmd
+        + b"\x85R."  # TUPLE1, REDUCE, STOP
+    )  # fmt: skip
+
+
+def _corrupt(step_path: Path, how: str, marker: Path) -> None:
+    data = data_file(step_path)
+    if how == "truncated":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif how == "bit_flip":
+        b = bytearray(data.read_bytes())
+        b[len(b) // 2] ^= 0x10
+        data.write_bytes(bytes(b))
+    elif how == "deleted":
+        data.unlink()
+    elif how == "garbage_manifest":
+        (step_path / "manifest.json").write_bytes(b'{"format_version": 1, "files": [tru')
+    elif how.startswith("malicious_metadata"):
+        evil = _malicious_pickle(marker, dotted=how.endswith("dotted"))
+        (step_path / ".metadata").write_bytes(evil)
+        # The manifest vouches for the evil file: the checksums alone cannot save us.
+        mpath = step_path / "manifest.json"
+        manifest = json.loads(mpath.read_text())
+        with open(step_path / ".metadata", "rb") as f:
+            crc, size = crc32_of(f)
+        manifest["files"][".metadata"] = {"size": size, "crc32": crc}
+        mpath.write_text(json.dumps(manifest))
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    ("how", "expect"),
+    [
+        ("truncated", ["__0_0.distcp", "truncated"]),
+        ("bit_flip", ["__0_0.distcp", "crc32", "corrupt"]),
+        ("deleted", ["__0_0.distcp", "missing"]),
+        ("garbage_manifest", ["manifest.json", "unreadable manifest"]),
+        ("malicious_metadata", [".metadata", "forbidden global"]),
+        ("malicious_metadata_dotted", [".metadata", "forbidden global"]),
+    ],
+)
+def test_corrupt_newest_falls_back_to_previous(
+    two_checkpoints: tuple[Path, dict[int, str]],
+    events: Events,
+    tmp_path: Path,
+    how: str,
+    expect: list[str],
+) -> None:
+    root, digests = two_checkpoints
+    marker = tmp_path / "pwned"
+    _corrupt(root / step_dir(2), how, marker)
+
+    assert load_digest(root, 1) == digests[1]
+    assert not marker.exists(), "loading a checkpoint executed code from it"
+    (fallback,) = events("ckpt.fallback")
+    assert fallback["step"] == 2
+    text = json.dumps(fallback)
+    for word in expect:
+        assert word in text, f"{word!r} not in {text}"
+    (loaded,) = events("ckpt.load")
+    assert loaded["step"] == 1
+
+
+def test_all_checkpoints_corrupt_is_a_logged_fresh_start(
+    two_checkpoints: tuple[Path, dict[int, str]], events: Events, tmp_path: Path
+) -> None:
+    root, _ = two_checkpoints
+    for step in (1, 2):
+        _corrupt(root / step_dir(step), "bit_flip", tmp_path / "unused")
+    t = Trainee(5)
+    before = t.digest()
+    assert manager(root).load_latest(t.state()) is None
+    assert t.digest() == before
+    assert [e["step"] for e in events("ckpt.fallback")] == [2, 1]
+    (fresh,) = events("ckpt.fresh_start")
+    assert fresh["reason"] == "no valid checkpoint"
+
+
+# ------------------------------------------------------------------------------ retention
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_retention_keeps_newest_and_never_touches_foreign_entries(
+    tmp_path: Path, keep_last: int
+) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "notes.txt").write_text("mine")
+    (root / "other_dir").mkdir()
+    (root / "other_dir" / "data.bin").write_bytes(b"x")
+    (root / "step_abc").mkdir()
+    (root / "step_12").mkdir()  # not our zero-padded name
+    (root / "step_000000001").mkdir()  # torn save, older than what comes next
+    (root / "step_000000001" / "__0_0.distcp").write_bytes(b"torn")
+    (root / "step_000000099").mkdir()  # newer than everything: may be a save in flight
+    foreign = {"notes.txt", "other_dir", "step_abc", "step_12"}
+    foreign_before = {k: v for k, v in snapshot(root).items() if k.split("/")[0] in foreign}
+
+    t = Trainee(0)
+    mgr = manager(root, keep_last=keep_last, async_save=True)
+    for step in range(2, 7):
+        t.train(1, seed=step)
+        mgr.save(t.state(), step=step)
+        assert mgr.wait() == step
+        assert committed_steps(root) == list(range(max(2, step - keep_last + 1), step + 1))
+        assert not (root / "step_000000001").exists()
+    mgr.close()
+    newest = t.digest()
+
+    names = {p.name for p in root.iterdir()}
+    kept = {step_dir(s) for s in range(7 - keep_last, 7)}
+    assert names == foreign | kept | {"step_000000099"}
+    assert {k: v for k, v in snapshot(root).items() if k.split("/")[0] in foreign} == foreign_before
+    assert load_digest(root, 6) == newest
+
+
+def test_retention_keeps_the_checkpoint_it_just_wrote(tmp_path: Path, events: Events) -> None:
+    """A newer but corrupt checkpoint must not push the newest valid one out of keep_last."""
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    t = Trainee(0)
+    t.train(4)
+    manager(root, keep_last=1).save(t.state(), step=4)
+    t4 = t.digest()
+    t.train(2)
+    manager(elsewhere, keep_last=1).save(t.state(), step=6)
+    shutil.copytree(elsewhere / step_dir(6), root / step_dir(6))
+    _corrupt(root / step_dir(6), "bit_flip", tmp_path / "unused")
+
+    # The resumed run: falls back to 4, trains one step, saves 5 with keep_last=1.
+    r = Trainee(3)
+    mgr = manager(root, keep_last=1)
+    assert mgr.load_latest(r.state()) == 4
+    assert r.digest() == t4
+    r.train(1, seed=5)
+    mgr.save(r.state(), step=5)
+    t5 = r.digest()
+    assert load_digest(root, 5) == t5
+
+    # Step 6 is known corrupt: saving it again replaces it instead of skipping it.
+    r.train(1, seed=6)
+    mgr.save(r.state(), step=6)
+    assert load_digest(root, 6) == r.digest()
+    assert committed_steps(root) == [6]
+    assert events("ckpt.save.skipped") == []
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_missing_location_is_a_fresh_start_then_created_on_save(
+    tmp_path: Path, events: Events
+) -> None:
+    root = tmp_path / "does" / "not" / "exist"
+    t = Trainee(0)
+    before = t.digest()
+    mgr = manager(root)
+    assert mgr.load_latest(t.state()) is None
+    assert t.digest() == before
+    (fresh,) = events("ckpt.fresh_start")
+    assert fresh["reason"] == "no checkpoint"
+    mgr.check_writable()
+    mgr.save(t.state(), step=1)
+    assert committed_steps(root) == [1]
+    assert load_digest(root, 1) == before
+
+
+def test_unwritable_location_fails_before_training(tmp_path: Path, events: Events) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    url = blocker / "ckpt"  # root can write anywhere, but not below a regular file
+    with pytest.raises(StorageError, match=r"not writable.*checkpoint_dir"):
+        manager(url).check_writable()
+    t = Trainee(0)
+    with pytest.raises(CheckpointError):
+        manager(url).save(t.state(), step=1)
+
+    rt = resilient.init(url, run_dir=str(tmp_path / "run"), console_level="CRITICAL")
+    try:
+        rt.track(model=t.model, optimizer=t.opt, scheduler=t.sched)
+        ran = []
+        with pytest.raises(StorageError, match=str(url)):
+            for step in rt.steps(3):
+                ran.append(step)
+        assert ran == []
+    finally:
+        rt.close()  # its log configuration is undone by the events fixture
+    assert blocker.read_text() == "not a directory"
+
+
+def test_checkpoint_of_another_model_is_refused_untouched(
+    two_checkpoints: tuple[Path, dict[int, str]],
+) -> None:
+    root, _ = two_checkpoints
+    before = snapshot(root)
+    other = Trainee(0, widths=(13, 9, 5, 2))  # "2.weight" differs in shape, "4.*" is new
+    other_before = other.digest()
+    with pytest.raises(CheckpointMismatchError) as err:
+        manager(root).load_latest(other.state())
+    msg = str(err.value)
+    assert "missing keys ['4.bias', '4.weight']" in msg
+    assert "shape mismatches" in msg and "2.weight" in msg
+    assert snapshot(root) == before
+    assert other.digest() == other_before
+
+    renamed = Trainee(0)
+    renamed.model = nn.Sequential()
+    renamed.model.add_module("enc", nn.Linear(13, 7))
+    renamed.opt = torch.optim.AdamW(renamed.model.parameters())
+    with pytest.raises(CheckpointMismatchError) as err:
+        manager(root).load_latest(TrainState(model=renamed.model, optimizer=renamed.opt))
+    msg = str(err.value)
+    assert "missing keys ['enc.bias', 'enc.weight']" in msg
+    assert "unexpected keys ['0.bias', '0.weight', '2.bias', '2.weight']" in msg
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_saving_a_committed_step_again_does_not_overwrite_it(
+    two_checkpoints: tuple[Path, dict[int, str]], events: Events, async_save: bool
+) -> None:
+    root, digests = two_checkpoints
+    before = snapshot(root)
+    t = Trainee(8)
+    mgr = manager(root, async_save=async_save)
+    mgr.save(t.state(), step=2)
+    assert mgr.wait() in (None, 2)
+    mgr.close()
+    assert snapshot(root) == before
+    (skipped,) = events("ckpt.save.skipped")
+    assert skipped["step"] == 2
+    assert load_digest(root, 2) == digests[2]
+
+
+@pytest.mark.parametrize(
+    ("make", "expect"),
+    [
+        (lambda d: CheckpointConfig(url=d, keep_last=0), r"keep_last must be >= 1"),
+        (lambda d: CheckpointConfig(url=d, write_threads=0), r"write_threads must be in \[1, 64\]"),
+        (lambda d: CheckpointConfig(url=d, write_threads=65), r"\[1, 64\], got 65"),
+        (lambda d: RetryPolicy(max_attempts=0), r"max_attempts must be >= 1"),
+        (lambda d: RetryPolicy(budget_s=0), r"budget_s must be > 0"),
+        (lambda d: resilient.init(d, save_every_steps=0), r"save_every_steps must be >= 1"),
+        (lambda d: resilient.init(d, keep_lsat=2), r"unknown option.*keep_lsat.*keep_last"),
+        (lambda d: CheckpointManager(CheckpointConfig(url="")), r"checkpoint location is empty"),
+    ],
+    ids=[
+        "keep_last",
+        "write_threads",
+        "write_threads_high",
+        "max_attempts",
+        "budget",
+        "save_every",
+        "unknown",
+        "empty_url",
+    ],
+)
+def test_out_of_range_config_is_a_config_error(
+    tmp_path: Path, make: Callable[[str], object], expect: str
+) -> None:
+    with pytest.raises(ConfigError, match=expect):
+        make(str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
