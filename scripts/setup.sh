@@ -16,8 +16,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "setup: no CUDA found, installing the CPU build of torch (constraints-cpu.txt)"
 fi
 # grep drops this machine's pip-config noise about absent local mirrors; pip's status is kept
-"$VENV/bin/python" -m pip install -q "${constraints[@]}" -e ".[dev]" 2>&1 \
-  | { grep -v -e "is ignored: it is neither" -e "BuildBackendWarning" || true; }
+PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q "${constraints[@]}" -e ".[dev]" 2>&1 \
+  | { grep -v -e "is ignored: it is neither" || true; }
 test "${PIPESTATUS[0]}" -eq 0
 rm -f "$VENV"/.installed-*
 touch "$stamp"

@@ -359,12 +359,17 @@ class CheckpointManager:
                 )
                 self._rejected.add(step)
                 continue
+            error: str | None = None
             try:
                 self._load(state, step, manifest)
             except (CheckpointMismatchError, ConfigError):
                 raise
             except Exception as e:
-                self._log.error("ckpt.fallback", step=step, reason=f"{type(e).__name__}: {e}")
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            # all ranks must land on the same checkpoint, even if only one failed to load it
+            errors = [err for err in self._gather_all(error) if err]
+            if errors:
+                self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
                 self._rejected.add(step)
                 continue
             self.last_committed = step
