@@ -1,0 +1,144 @@
+"""Chaos scenarios: a run of a recipe plus a schedule of faults, kept as small TOML files.
+
+    name = "kill-rank1"
+    recipe = "train_ddp.py"
+    steps = 24
+    save_every = 4
+
+    [[fault]]
+    kind = "kill"        # see FAULT_KINDS
+    rank = 1
+    at_step = 10         # when rank 0 has printed this step
+
+A seeded generator makes random schedules for soak runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["FAULT_KINDS", "Fault", "Scenario", "generate"]
+
+FAULT_KINDS = {
+    "kill": "SIGKILL one worker",
+    "corrupt": "flip a byte in a data file of the newest checkpoint, then SIGKILL a worker",
+    "truncate": "cut a data file of the newest checkpoint in half, then SIGKILL a worker",
+    "delete": "delete a data file of the newest checkpoint, then SIGKILL a worker",
+    "kill_during_save": "SIGKILL a worker while a checkpoint is being written",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class Fault:
+    kind: str
+    """One of FAULT_KINDS."""
+    rank: int = 1
+    """The worker that gets the signal."""
+    at_step: int = 8
+    """Inject once rank 0 has run this step (in the current attempt)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(FAULT_KINDS)}")
+        if self.at_step < 1:
+            raise ValueError(f"at_step must be >= 1, got {self.at_step}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Scenario:
+    name: str
+    recipe: str = "train_ddp.py"
+    nproc: int = 2
+    steps: int = 24
+    save_every: int = 4
+    workers: int = 0
+    seed: int = 1234
+    corpus_chars: int = 20_000
+    max_restarts: int = 4
+    timeout_s: float = 300.0
+    """The whole faulty run must end within this."""
+    faults: list[Fault] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for f in self.faults:
+            if f.at_step >= self.steps:
+                raise ValueError(f"{self.name}: fault at step {f.at_step} >= steps {self.steps}")
+            if not 0 <= f.rank < self.nproc:
+                raise ValueError(f"{self.name}: fault rank {f.rank} not in [0, {self.nproc})")
+        if len(self.faults) >= self.max_restarts:
+            raise ValueError(f"{self.name}: {len(self.faults)} faults need max_restarts > that")
+
+    def golden_key(self) -> str:
+        """Runs with equal keys must end with equal bits."""
+        return (
+            f"{self.recipe}-n{self.nproc}-s{self.steps}-e{self.save_every}-w{self.workers}"
+            f"-seed{self.seed}-c{self.corpus_chars}"
+        ).replace(".py", "")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scenario:
+        data = tomllib.loads(Path(path).read_text())
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Scenario:
+        data = dict(data)
+        faults = [Fault(**f) for f in data.pop("fault", [])]
+        known = {f.name for f in dataclasses.fields(cls)} - {"faults"}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown scenario keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data, faults=faults)
+
+    def to_toml(self) -> str:
+        lines = []
+        for f in dataclasses.fields(self):
+            if f.name != "faults":
+                lines.append(f"{f.name} = {_toml_value(getattr(self, f.name))}")
+        for fault in self.faults:
+            lines += ["", "[[fault]]"]
+            lines += [
+                f"{k.name} = {_toml_value(getattr(fault, k.name))}"
+                for k in dataclasses.fields(fault)
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v)
+
+
+def generate(
+    seed: int, count: int, *, steps: int = 24, save_every: int = 4, max_faults: int = 2
+) -> list[Scenario]:
+    """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly."""
+    rng = random.Random(seed)
+    kinds = sorted(FAULT_KINDS)
+    out = []
+    for i in range(count):
+        n = rng.randint(1, max_faults)
+        at = sorted(rng.sample(range(save_every + 1, steps - 1), n))
+        faults = [Fault(kind=rng.choice(kinds), rank=rng.randint(0, 1), at_step=s) for s in at]
+        out.append(
+            Scenario(
+                name=f"soak-{seed}-{i:04d}",
+                steps=steps,
+                save_every=save_every,
+                recipe=rng.choice(["train_ddp.py", "train_fsdp.py"]),
+                faults=faults,
+            )
+        )
+    return out
