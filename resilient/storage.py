@@ -2,41 +2,104 @@
 
 Knows nothing about torch. Every call that touches storage goes through one tenacity policy
 (`RetryPolicy`), so transient errors are retried with backoff inside a bounded time budget and
-permanent ones fail at once.
+permanent ones fail at once. For S3 the retry loops of botocore and s3fs are reduced to a
+single attempt (see resilient/_s3.py), so this policy is the only one and its budget holds.
+
+Remote files are written and read in parts (resilient/_transfer.py): each part is one retried
+call, several run at a time, and a file appears only once its upload completes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import posixpath
+import re
+import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
 
 import fsspec
 import tenacity
 
+from resilient import _s3
+from resilient._transfer import BlockReader, UploadStream
 from resilient.errors import ConfigError, StorageError
 from resilient.log import get_logger
 
-__all__ = ["RetryPolicy", "Storage", "crc32_of"]
+__all__ = ["RetryPolicy", "Storage", "crc32_of", "is_retryable"]
 
 T = TypeVar("T")
 _CHUNK = 8 << 20
+_READ_BLOCK = 8 << 20
 # errno values worth retrying on a local or network filesystem; ENOSPC, EACCES, EROFS are not.
-_RETRYABLE_ERRNO = {errno.EAGAIN, errno.EINTR, errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET}
+# EBUSY and EREMOTEIO are what s3fs turns S3's 503 SlowDown and 500 InternalError into.
+_RETRYABLE_ERRNO = {
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.EIO,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.EBUSY,
+    getattr(errno, "EREMOTEIO", errno.EIO),
+}
+# S3 (and S3-compatible) error codes that a later attempt may not see.
+_RETRYABLE_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "BandwidthLimitExceeded",
+    "OperationAborted",
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
+}
+_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+# Errors raised below botocore's translation (aiohttp, urllib3, s3fs), named to avoid imports.
+_RETRYABLE_NAMES = {
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "IncompleteRead",
+    "ResponseParserError",
+    "FSTimeoutError",
+}
+# Object stores have no directories: makedirs would create a bucket (s3fs, gcsfs) or nothing.
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci"}
+
+
+class _BudgetSpent(StorageError):
+    """The time budget of the current save ran out before this call could start."""
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """True for errors that a later attempt may not see: timeouts, resets, 5xx and throttling."""
+    """True for errors that a later attempt may not see: timeouts, resets, 5xx and throttling.
+
+    Never for missing things (NoSuchBucket, 404), refused credentials or permissions (403).
+    """
+    if isinstance(exc, _BudgetSpent):
+        return False
+    code, status = _s3.error_code(exc)
+    if code is not None or status is not None:
+        return code in _RETRYABLE_CODES or status in _RETRYABLE_STATUS
+    if _s3.is_connection_error(exc):
+        return True
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
         return False
+    if type(exc).__name__ in _RETRYABLE_NAMES:
+        return True
     text = f"{type(exc).__name__} {exc}"
     if any(
         s in text
@@ -58,33 +121,73 @@ def is_retryable(exc: BaseException) -> bool:
 
 @dataclass(kw_only=True, slots=True)
 class RetryPolicy:
-    """How storage calls are retried. One instance is shared by every call of a Storage."""
+    """How storage calls are retried. One instance is shared by every call of a Storage.
+
+    An attempt is bounded by the transport's own timeouts (s3fs: connect 5 s, read 15 s;
+    set `connect_timeout`/`read_timeout` in storage_options' config_kwargs to change them),
+    so a call gives up within `budget_s` plus one attempt.
+    """
 
     max_attempts: int = 8
     """Attempts per call, the first included."""
     budget_s: float = 120.0
     """Total seconds one call may spend retrying before it fails loudly."""
+    save_budget_s: float | None = 1800.0
+    """Wall-clock seconds of one checkpoint save's storage work, retries included. Once spent,
+    no call starts or retries and the save fails; the previous checkpoint stays the newest
+    valid one. None: only the per-call budget applies."""
     initial_wait_s: float = 0.2
-    """First backoff; doubles each attempt, with jitter, up to `max_wait_s`."""
+    """First backoff; doubles each attempt, plus up to `jitter_s` of random jitter, up to
+    `max_wait_s`."""
     max_wait_s: float = 10.0
     """Largest single backoff."""
+    jitter_s: float = 0.5
+    """Random extra wait per retry, so ranks that failed together do not retry together."""
     sleep: Callable[[float], None] = field(default=tenacity.nap.sleep, repr=False)
     """Injected by tests to drive time without sleeping."""
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    """Time source of the save budget (tests drive it together with `sleep`)."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
         if self.budget_s <= 0:
             raise ConfigError(f"RetryPolicy.budget_s must be > 0 seconds, got {self.budget_s}")
+        if self.save_budget_s is not None and self.save_budget_s <= 0:
+            raise ConfigError(
+                f"RetryPolicy.save_budget_s must be > 0 seconds or None, got {self.save_budget_s}"
+            )
         if not 0 < self.initial_wait_s <= self.max_wait_s:
             raise ConfigError(
                 "RetryPolicy needs 0 < initial_wait_s <= max_wait_s, got "
                 f"{self.initial_wait_s} and {self.max_wait_s}"
             )
+        if self.jitter_s < 0:
+            raise ConfigError(f"RetryPolicy.jitter_s must be >= 0, got {self.jitter_s}")
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run `fn` under the policy; `what` names the operation in events and errors."""
+    def call(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        *,
+        deadline: float | None = None,
+        redact: Callable[[str], str] | None = None,
+    ) -> T:
+        """Run `fn` under the policy; `what` names the operation in events and errors.
+
+        Retryable errors are retried until `max_attempts`, `budget_s` or `deadline` (a
+        `clock()` time) would be passed; then StorageError says what failed, how often and
+        why it stopped. Other errors are raised unchanged at once. Waits at most `budget_s`
+        plus one attempt.
+        """
         log = get_logger()
+        scrub = redact or _redact
+        start = self.clock()
+
+        def attempt() -> T:
+            if deadline is not None and self.clock() >= deadline:
+                raise _BudgetSpent(f"{what}: the save's time budget is spent")
+            return fn()
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -92,29 +195,73 @@ class RetryPolicy:
                 "storage.retry",
                 op=what,
                 attempt=state.attempt_number,
-                wait_s=round(state.next_action.sleep, 3) if state.next_action else None,
-                error=_redact(repr(exc)),
+                wait_s=round(state.upcoming_sleep, 3),
+                error=scrub(f"{type(exc).__name__}: {exc}"),
             )
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.max_attempts)
-            | tenacity.stop_after_delay(self.budget_s),
-            wait=tenacity.wait_exponential_jitter(initial=self.initial_wait_s, max=self.max_wait_s),
+            | tenacity.stop_before_delay(self.budget_s)
+            | _StopAtDeadline(deadline, self.clock),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=self.initial_wait_s, max=self.max_wait_s, jitter=self.jitter_s
+            ),
             retry=tenacity.retry_if_exception(is_retryable),
             sleep=self.sleep,
             before_sleep=before_sleep,
             reraise=True,
         )
-        return retrying(fn)
+        try:
+            return retrying(attempt)
+        except _BudgetSpent as e:
+            raise StorageError(
+                scrub(
+                    f"{what} not attempted: the save's time budget "
+                    "(RetryPolicy.save_budget_s) is spent"
+                )
+            ) from e
+        except Exception as e:
+            if not is_retryable(e):
+                raise
+            attempts = retrying.statistics.get("attempt_number", 1)
+            elapsed = self.clock() - start
+            if deadline is not None and self.clock() + self.initial_wait_s >= deadline:
+                why = "the save's time budget (RetryPolicy.save_budget_s) is spent"
+            elif attempts >= self.max_attempts:
+                why = f"max_attempts={self.max_attempts} reached"
+            else:
+                why = f"the per-call budget of {self.budget_s:g} s (RetryPolicy.budget_s) is spent"
+            raise StorageError(
+                scrub(
+                    f"{what} failed after {attempts} attempt(s) in {elapsed:.1f} s, {why}: "
+                    f"{type(e).__name__}: {e}"
+                )
+            ) from e
 
 
-def _redact(text: str) -> str:
-    """Drop anything that looks like a credential from a message before it is logged."""
-    for key in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
-        val = os.environ.get(key)
-        if val:
-            text = text.replace(val, "***")
+class _StopAtDeadline(tenacity.stop.stop_base):
+    """Stop when the next attempt would start after `deadline` (a `clock()` time)."""
+
+    def __init__(self, deadline: float | None, clock: Callable[[], float]) -> None:
+        self.deadline = deadline
+        self.clock = clock
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        if self.deadline is None:
+            return False
+        return self.clock() + retry_state.upcoming_sleep >= self.deadline
+
+
+def _redact(text: str, extra: tuple[str, ...] = ()) -> str:
+    """Drop anything that looks like a credential from a message before it is shown."""
+    secrets = [os.environ.get(k, "") for k in _SECRET_ENV] + list(extra)
+    for val in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
+        text = text.replace(val, "***")
     return text
+
+
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+_USERINFO = re.compile(r"^([a-zA-Z][\w+.-]*://)[^/@]*@")
 
 
 def crc32_of(stream: IO[bytes]) -> tuple[int, int]:
@@ -126,8 +273,41 @@ def crc32_of(stream: IO[bytes]) -> tuple[int, int]:
     return crc, size
 
 
+class _PipeSink:
+    """Uploads for fsspec filesystems without multipart: the whole file in one call."""
+
+    multipart = False
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self._storage = storage
+        self._rel = rel
+
+    def put(self, data: bytes) -> None:
+        path = self._storage.path(self._rel)
+        self._storage._call(f"put {self._rel}", lambda: self._storage.fs.pipe_file(path, data))
+
+    # never called: multipart is False
+    def start(self) -> str:
+        raise NotImplementedError
+
+    def part(self, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def complete(self, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def abort(self, upload_id: str) -> None:
+        raise NotImplementedError
+
+
 class Storage:
-    """A checkpoint root on an fsspec filesystem; paths given to methods are relative to it."""
+    """A checkpoint root on an fsspec filesystem; paths given to methods are relative to it.
+
+    Remote options (endpoint, region, credentials) come from the usual places (AWS_* variables,
+    ~/.aws/config and credentials, AWS_PROFILE) or from `storage_options`, which win. For S3,
+    `max_concurrency` (parts in flight per file, default 10) and `default_block_size` (the
+    part size, default 50 MiB) are s3fs's own options and tune uploads here too.
+    """
 
     def __init__(
         self,
@@ -136,23 +316,39 @@ class Storage:
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
-        url = os.fspath(url)
-        if not url:
+        raw = os.fspath(url)
+        if not raw:
             raise ConfigError("checkpoint location is empty: give a directory or an fsspec URL")
-        self.url = url
+        self.url = _USERINFO.sub(r"\1***@", raw)  # never show user:password@ from a URL
         self.retry = retry or RetryPolicy()
+        options = dict(storage_options or {})
+        protocol = raw.split("://", 1)[0] if "://" in raw else "file"
+        self.is_s3 = protocol in _s3.PROTOCOLS
+        if self.is_s3:
+            options = _s3.prepare_options(options)
+        self._secrets = tuple(_s3.secrets_of(options))
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as e:
-            raise ConfigError(f"cannot open checkpoint location {url!r}: {e}") from e
+            self.fs, root = fsspec.core.url_to_fs(raw, **options)
+        except (ImportError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"cannot open checkpoint location {self.url!r}: {self.redact(str(e))}"
+            ) from e
+        if self.is_s3:
+            _s3.tune_filesystem(self.fs)
         self.root = root.rstrip("/") or "/"
-        self.is_local = "file" in _protocols(self.fs)
+        protocols = _protocols(self.fs)
+        self.is_local = "file" in protocols or "local" in protocols
+        self.is_object_store = bool(_OBJECT_STORES & set(protocols))
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        self.part_size = max(int(getattr(self.fs, "default_block_size", 0) or 0), 5 << 20)
+        self.concurrency = max(1, int(getattr(self.fs, "max_concurrency", 8) or 8))
+        self._deadline: float | None = None
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
 
+    # ------------------------------------------------------------------ paths and policy
     def path(self, *parts: str) -> str:
         """The absolute path (no protocol) of `parts` below the root."""
         return posixpath.join(self.root, *parts) if parts else self.root
@@ -161,9 +357,30 @@ class Storage:
         """`parts` below the root as a URL with its protocol (s3://bucket/...)."""
         return str(self.fs.unstrip_protocol(self.path(*parts)))
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return self.retry.call(what, fn)
+    def redact(self, text: str) -> str:
+        """`text` without any credential this storage knows of (environment or options)."""
+        return _redact(text, self._secrets)
 
+    @contextlib.contextmanager
+    def budget(self, seconds: float | None) -> Iterator[None]:
+        """Calls inside share a deadline `seconds` from now (None: no deadline).
+
+        Applies to every thread that uses this Storage meanwhile (DCP's writer threads, the
+        upload pools): one save at a time per Storage, as the checkpoint manager does.
+        """
+        previous = self._deadline
+        self._deadline = None if seconds is None else self.retry.clock() + seconds
+        try:
+            yield
+        finally:
+            self._deadline = previous
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        return self.retry.call(
+            f"{what} at {self.url}", fn, deadline=self._deadline, redact=self.redact
+        )
+
+    # ------------------------------------------------------------------ small calls
     def exists(self, rel: str) -> bool:
         return self._call(f"exists {rel}", lambda: self.fs.exists(self.path(rel)))
 
@@ -173,7 +390,9 @@ class Storage:
         def ls() -> list[str]:
             try:
                 entries = self.fs.ls(self.root, detail=True)
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                if _s3.error_code(e)[0] == "NoSuchBucket":  # an absent prefix is fine
+                    raise self.error(e, "cannot be listed") from e
                 return []
             return [
                 posixpath.basename(e["name"].rstrip("/"))
@@ -183,14 +402,69 @@ class Storage:
 
         return self._call("list", ls)
 
+    def list_sizes(self, rel: str) -> dict[str, int]:
+        """{file name: size} of the files directly inside directory `rel`, in one listing."""
+        entries = self._call(f"list {rel}", lambda: self.fs.ls(self.path(rel), detail=True))
+        return {
+            posixpath.basename(e["name"]): int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    def list_files(self, rel: str) -> list[str]:
+        """File names directly inside directory `rel`."""
+        return list(self.list_sizes(rel))
+
     def size(self, rel: str) -> int:
         return int(self._call(f"size {rel}", lambda: self.fs.size(self.path(rel))))
 
     def read_bytes(self, rel: str) -> bytes:
         return self._call(f"read {rel}", lambda: self.fs.cat_file(self.path(rel)))
 
+    def makedirs(self, rel: str = "") -> None:
+        """Create directory `rel`; nothing on object stores, which have no directories (and
+        where s3fs would otherwise create a missing bucket)."""
+        if self.is_object_store:
+            return
+        self._call(f"mkdir {rel}", lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
+
+    def remove_tree(self, rel: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.path(rel), recursive=True)
+
+        self._call(f"remove {rel}", run)
+
+    def remove_file(self, rel: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(rel))
+
+        self._call(f"remove {rel}", run)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move file `src` to `dst`. On object stores a copy then a delete: not atomic, so
+        nothing may rely on it for a commit. Safe to retry after a partial success."""
+        s, d = self.path(src), self.path(dst)
+
+        def run() -> None:
+            try:
+                self.fs.copy(s, d)
+            except FileNotFoundError:
+                if not self.fs.exists(d):
+                    raise
+                return  # an earlier attempt moved it and lost the reply
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(s)
+
+        self._call(f"move {src} -> {dst}", run)
+
+    # ------------------------------------------------------------------ whole files
     def checksum(self, rel: str) -> tuple[int, int]:
         """(crc32, size) of a stored file, read back from storage."""
+        if not self.is_local:
+            with self.open_read(rel) as f:
+                return crc32_of(f)
 
         def run() -> tuple[int, int]:
             with self.fs.open(self.path(rel), "rb") as f:
@@ -220,34 +494,66 @@ class Storage:
 
         self._call(f"write {rel}", run)
 
-    def makedirs(self, rel: str = "") -> None:
-        self._call(f"mkdir {rel}", lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
+    def open_write(self, rel: str) -> UploadStream:
+        """A stream that uploads file `rel` in parts; it appears at `close()`, never before.
 
-    def remove_tree(self, rel: str) -> None:
-        def run() -> None:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.path(rel), recursive=True)
+        Remote only (local files are written by DCP itself). Call `abort()` on failure.
+        """
+        sink = _s3.S3Sink(self.fs, self.path(rel), rel, self._call) if self.is_s3 else None
+        return UploadStream(
+            sink or _PipeSink(self, rel),
+            part_size=self.part_size,
+            concurrency=self.concurrency,
+            name=self.url_of(rel),
+        )
 
-        self._call(f"remove {rel}", run)
+    def open_read(self, rel: str, *, size: int | None = None) -> io.BufferedReader:
+        """A seekable reader of remote file `rel`: ranged reads in blocks, each retried."""
+        path = self.path(rel)
+        if size is None:
+            size = self.size(rel)
 
-    def list_files(self, rel: str) -> list[str]:
-        """File names directly inside directory `rel`."""
-        entries = self._call(f"list {rel}", lambda: self.fs.ls(self.path(rel), detail=True))
-        return [posixpath.basename(e["name"]) for e in entries if e.get("type") == "file"]
+        def fetch(start: int, end: int) -> bytes:
+            return self._call(
+                f"read {rel} [{start}:{end}]",
+                lambda: self.fs.cat_file(path, start=start, end=end),
+            )
 
+        raw = BlockReader(
+            fetch,
+            size,
+            block_size=min(self.part_size, _READ_BLOCK),
+            concurrency=self.concurrency,
+            name=self.url_of(rel),
+        )
+        return io.BufferedReader(raw, buffer_size=1 << 20)
+
+    # ------------------------------------------------------------------ start-up check
     def check_writable(self) -> None:
-        """Create the root if needed and prove it writable; raise StorageError naming the fix."""
+        """Prove the root writable, listable and deletable; raise StorageError naming the fix.
+
+        Creates the root if needed (never a bucket). Waits at most the retry budget.
+        """
         probe = f".resilient-probe-{uuid.uuid4().hex[:8]}"
         try:
             self.makedirs()
-            self._call("probe", lambda: self.fs.pipe_file(self.path(probe), b"ok"))
-            self._call("probe cleanup", lambda: self.fs.rm(self.path(probe)))
-        except (OSError, ValueError) as e:
-            raise StorageError(
-                f"checkpoint location {self.url!r} is not writable ({type(e).__name__}: "
-                f"{_redact(str(e))}). Create it with write permission for this user, or point "
-                "checkpoint_dir at a writable location."
-            ) from e
+            self._call("probe write", lambda: self.fs.pipe_file(self.path(probe), b"ok"))
+            self._call("probe list", lambda: self.fs.ls(self.root, detail=False))
+            self._call("probe delete", lambda: self.fs.rm_file(self.path(probe)))
+        except Exception as e:  # any failure here is a configuration problem: say which
+            raise self.error(e, "is not writable") from e
+
+    def error(self, exc: BaseException, what: str) -> StorageError:
+        """A StorageError saying that this location `what`, why, and how to fix it."""
+        hint = _s3.explain(exc, self.url, _s3.endpoint_of(self.fs)) if self.is_s3 else None
+        hint = hint or (
+            "Create it with write permission for this user, or point checkpoint_dir at a "
+            "writable location."
+        )
+        return StorageError(
+            self.redact(f"checkpoint location {self.url!r} {what} ({type(exc).__name__}: {exc}). ")
+            + hint
+        )
 
 
 def fsync_dir(path: str) -> None:

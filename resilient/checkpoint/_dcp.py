@@ -6,9 +6,11 @@ Why each exists:
 - `make_reader` and `SafeLoadPlanner`: stock DCP 2.13 reads `.metadata` with `pickle.load` and
   non-tensor values with `torch.load(weights_only=False)`; both run code from the checkpoint.
   We restrict both to plain data, so loading an untrusted checkpoint cannot execute code.
+- `_StorageFileSystem`: remote checkpoints go through our Storage (its retry policy, chunked
+  concurrent uploads, ranged reads) instead of fsspec streams opened by DCP.
 
-It touches `FileSystemWriter.fs`, an attribute rather than a documented hook, and two private
-modules: this is the one place where we lean on DCP's internals.
+It touches `FileSystemWriter.fs`, an attribute rather than a documented hook, and a private
+module: this is the one place where we lean on DCP's internals.
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import posixpath
 import threading
 import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-# Private modules, used only here: torch 2.13 exports no fsspec reader/writer publicly, and
-# set_element is how DefaultLoadPlanner.load_bytes stores a value (we mirror that method).
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+# Private module, used only here: set_element is how DefaultLoadPlanner.load_bytes stores a
+# value (we mirror that method).
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -108,32 +110,79 @@ class _LocalWriter(FileSystemWriter):
         self.fs = _HashingFileSystem(self.fs, self.file_checksums, threading.Lock())  # type: ignore[assignment]
 
 
-class _RemoteWriter(FsspecWriter):
-    """FsspecWriter on the Storage's own filesystem object, with `file_checksums`.
+class _StorageFileSystem:
+    """DCP's FileSystem interface over a remote Storage: every request goes through its policy.
 
-    Reusing the Storage's filesystem keeps its endpoint and credentials: FsspecWriter would
-    otherwise build a second one from the URL alone (TORCH_NOTES gotcha 7).
+    DCP's own FsspecWriter/Reader would call fsspec directly (s3fs's retry loop, not ours; a
+    streaming upload that sends parts one at a time; a second filesystem built from the URL
+    alone, TORCH_NOTES gotcha 7). Paths here are relative to the Storage root.
     """
 
-    def __init__(self, url: str, fs: Any, **kwargs: Any) -> None:
-        super().__init__(url, **kwargs)
-        cast(Any, self.fs).fs = fs
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        rel = os.fspath(path)
+        if "w" in mode:
+            stream = self._storage.open_write(rel)
+            try:
+                yield stream
+            except BaseException:
+                stream.abort()  # nothing becomes visible
+                raise
+            stream.close()
+        else:
+            with self._storage.open_read(rel) as f:
+                yield f
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return posixpath.join(os.fspath(path), suffix)
+
+    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        # DCP renames .metadata.tmp to .metadata; on S3 a copy and a delete, not atomic. The
+        # commit marker is our manifest, written after this, so nothing relies on it.
+        self._storage.move(os.fspath(path), os.fspath(new_path))
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self._storage.makedirs(os.fspath(path))
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self._storage.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self._storage.remove_file(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return self._storage.list_files(os.fspath(path))
+
+
+class _RemoteWriter(FileSystemWriter):
+    """FileSystemWriter on a remote Storage (relative paths), with `file_checksums`."""
+
+    def __init__(self, storage: Storage, rel: str, *, thread_count: int) -> None:
+        # sync_files off: on a stream without fileno() DCP would fall back to a system-wide
+        # os.sync() (pytorch#142396); a remote object is durable once its upload completes.
+        super().__init__(rel, sync_files=False, thread_count=thread_count)
+        self.path = rel
         self.file_checksums: dict[str, tuple[int, int]] = {}
-        self.fs = _HashingFileSystem(self.fs, self.file_checksums, threading.Lock())  # type: ignore[assignment]
+        self.fs = _HashingFileSystem(  # type: ignore[assignment]
+            _StorageFileSystem(storage), self.file_checksums, threading.Lock()
+        )
 
 
 def make_writer(storage: Storage, rel: str, *, thread_count: int) -> Any:
     """A DCP storage writer for directory `rel` of `storage`, recording file checksums.
 
-    Locally files are fsynced by DCP. Remotely `sync_files` stays off: on a stream without
-    fileno() DCP falls back to a system-wide os.sync() (pytorch#142396); an object is durable
-    once its PUT returns.
+    Locally DCP writes and fsyncs the files itself. Remotely every request goes through the
+    Storage and its retry policy, and each file appears only once completely uploaded.
     """
     if storage.is_local:
         return _LocalWriter(storage.path(rel), sync_files=True, thread_count=thread_count)
-    return _RemoteWriter(
-        storage.url_of(rel), storage.fs, sync_files=False, thread_count=thread_count
-    )
+    return _RemoteWriter(storage, rel, thread_count=thread_count)
 
 
 # Globals a DCP .metadata pickle may name; anything else is refused.
@@ -211,17 +260,18 @@ class _LocalReader(_SafeMetadata, FileSystemReader):
     pass
 
 
-class _RemoteReader(_SafeMetadata, FsspecReader):
-    def __init__(self, url: str, fs: Any) -> None:
-        super().__init__(url)
-        self.fs.fs = fs
+class _RemoteReader(_SafeMetadata, FileSystemReader):
+    def __init__(self, storage: Storage, rel: str) -> None:
+        super().__init__(rel)
+        self.path = rel
+        self.fs = _StorageFileSystem(storage)
 
 
 def make_reader(storage: Storage, rel: str) -> Any:
     """A DCP storage reader for directory `rel` of `storage` that cannot execute pickled code."""
     if storage.is_local:
         return _LocalReader(storage.path(rel))
-    return _RemoteReader(storage.url_of(rel), storage.fs)
+    return _RemoteReader(storage, rel)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -1,0 +1,266 @@
+"""Chunked transfers for remote storage: an upload stream and a block-cached reader.
+
+Both move a file as parts of a few MiB, each part one request under the storage's retry
+policy, several at a time. A transient error costs one part, not the whole file, and the
+memory held stays bounded by concurrency x part size whatever the file size.
+
+Knows nothing about torch or S3: the requests themselves come from a `PartSink` (writes) or
+a fetch function (reads) that Storage builds.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from resilient.log import get_logger
+
+__all__ = ["BlockReader", "PartSink", "UploadStream"]
+
+MIN_PART = 5 << 20
+"""S3's smallest part (every part but the last)."""
+
+
+class PartSink(Protocol):
+    """The requests an UploadStream makes; each method is one retried storage call."""
+
+    multipart: bool
+    """False: the stream buffers the whole file and calls `put` once."""
+
+    def put(self, data: bytes) -> None: ...
+    def start(self) -> str: ...
+    def part(self, upload_id: str, number: int, data: bytes) -> dict[str, Any]: ...
+    def complete(self, upload_id: str, parts: list[dict[str, Any]]) -> None: ...
+    def abort(self, upload_id: str) -> None: ...
+
+
+class UploadStream:
+    """A write-only stream that uploads as it goes; the object appears only on `close()`.
+
+    Below one part the file is a single PUT at close. Beyond it, a multipart upload starts and
+    full parts are uploaded in a pool of `concurrency` threads while the writer goes on; the
+    writer blocks when that many are in flight. `close()` uploads the rest and completes the
+    upload; `abort()` (or an error) drops it, and nothing becomes visible.
+
+    Deliberately not an io.IOBase: those close themselves when garbage collected, which here
+    would publish a partial file.
+    """
+
+    def __init__(self, sink: PartSink, *, part_size: int, concurrency: int, name: str) -> None:
+        if sink.multipart and part_size < MIN_PART:
+            raise ValueError(f"part_size must be >= {MIN_PART} bytes, got {part_size}")
+        self._sink = sink
+        self._part_size = part_size
+        self._concurrency = max(1, concurrency)
+        self._name = name
+        self._buf = bytearray()
+        self._pos = 0
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+        self._inflight: deque[Future[dict[str, Any]]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._done = False
+
+    # the file protocol DCP and torch.save use ------------------------------------------------
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        """Nothing to do: parts leave when full, the rest on close()."""
+
+    @property
+    def closed(self) -> bool:
+        return self._done
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, b: Any) -> int:
+        if self._done:
+            raise ValueError(f"write to a closed upload of {self._name}")
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        self._pos += n
+        if not self._sink.multipart:
+            self._buf += mv
+            return n
+        i = 0
+        while i < n:
+            take = min(self._part_size - len(self._buf), n - i)
+            if not self._buf and take == self._part_size:
+                self._ship(bytes(mv[i : i + take]))  # a whole part straight from the caller
+            else:
+                self._buf += mv[i : i + take]
+                if len(self._buf) == self._part_size:
+                    self._ship(bytes(self._buf))
+                    self._buf = bytearray()
+            i += take
+        return n
+
+    def close(self) -> None:
+        """Upload what is left and make the object visible. Raises if any part failed."""
+        if self._done:
+            return
+        try:
+            if self._upload_id is None:
+                self._sink.put(bytes(self._buf))
+            else:
+                if self._buf:
+                    self._ship(bytes(self._buf))
+                while self._inflight:
+                    self._parts.append(self._inflight.popleft().result())
+                self._sink.complete(self._upload_id, self._parts)
+            self._buf = bytearray()
+            self._done = True
+            self._shutdown()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop the upload: cancel parts not started, wait for running ones, abort it."""
+        if self._done:
+            return
+        self._done = True
+        self._buf = bytearray()
+        for fut in self._inflight:
+            fut.cancel()
+        for fut in self._inflight:
+            if not fut.cancelled():
+                fut.exception()  # wait; the error, if any, was raised to the writer already
+        self._inflight.clear()
+        self._shutdown()
+        if self._upload_id is not None:
+            try:
+                self._sink.abort(self._upload_id)
+            except Exception as e:  # best effort: a bucket lifecycle rule cleans leftovers
+                get_logger().warning(
+                    "storage.abort_failed", file=self._name, error=f"{type(e).__name__}: {e}"
+                )
+
+    # internals ---------------------------------------------------------------------------
+    def _ship(self, data: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._sink.start()
+            self._pool = ThreadPoolExecutor(
+                max_workers=self._concurrency, thread_name_prefix="resilient-upload"
+            )
+        assert self._pool is not None
+        while len(self._inflight) >= self._concurrency:  # bound the memory held
+            self._parts.append(self._inflight.popleft().result())
+        number = len(self._parts) + len(self._inflight) + 1
+        self._inflight.append(self._pool.submit(self._sink.part, self._upload_id, number, data))
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+class BlockReader(io.RawIOBase):
+    """A seekable read-only view of a remote file, fetched in aligned blocks.
+
+    Blocks are fetched with `fetch(start, end)` (one retried ranged GET each), several at a
+    time; a read also starts fetching the blocks after it, so a sequential reader keeps
+    `concurrency` requests busy. An LRU keeps recent blocks, so the small backward seeks of
+    torch.load stay in memory. Wrap it in io.BufferedReader for small reads.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int, int], bytes],
+        size: int,
+        *,
+        block_size: int,
+        concurrency: int,
+        name: str,
+    ) -> None:
+        super().__init__()
+        self._fetch = fetch
+        self._size = size
+        self._block = max(1, block_size)
+        self._ahead = max(0, concurrency - 1)
+        self._capacity = 2 * max(1, concurrency) + 2
+        self._name = name
+        self._pos = 0
+        self._blocks: OrderedDict[int, Future[bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, concurrency), thread_name_prefix="resilient-read"
+        )
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        pos = base + offset
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos} in {self._name}")
+        self._pos = pos
+        return pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = min(len(out), self._size - self._pos)
+        if n <= 0:
+            return 0
+        first = self._pos // self._block
+        last = (self._pos + n - 1) // self._block
+        nblocks = (self._size + self._block - 1) // self._block
+        wanted = range(first, min(nblocks, last + 1 + self._ahead))
+        futures = {i: self._request(i) for i in wanted}
+        done = 0
+        for i in range(first, last + 1):
+            data = futures[i].result()
+            lo = max(self._pos, i * self._block) - i * self._block
+            hi = min(self._pos + n, (i + 1) * self._block) - i * self._block
+            out[done : done + hi - lo] = data[lo:hi]
+            done += hi - lo
+        self._pos += n
+        self._evict(keep=set(wanted))
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._blocks.clear()
+        super().close()
+
+    def _request(self, i: int) -> Future[bytes]:
+        with self._lock:
+            fut = self._blocks.get(i)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                start = i * self._block
+                end = min(self._size, start + self._block)
+                fut = self._pool.submit(self._checked_fetch, start, end)
+                self._blocks[i] = fut
+            self._blocks.move_to_end(i)
+            return fut
+
+    def _checked_fetch(self, start: int, end: int) -> bytes:
+        data = self._fetch(start, end)
+        if len(data) != end - start:
+            raise OSError(
+                f"{self._name}: read {len(data)} bytes at offset {start}, expected {end - start} "
+                "(the object changed or was truncated while being read)"
+            )
+        return data
+
+    def _evict(self, keep: set[int]) -> None:
+        with self._lock:
+            for i in list(self._blocks):
+                if len(self._blocks) <= self._capacity:
+                    break
+                if i not in keep and self._blocks[i].done():
+                    del self._blocks[i]

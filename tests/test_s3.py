@@ -1,0 +1,122 @@
+"""Checkpoints on s3:// over real HTTP: moto's server on 127.0.0.1, with and without faults."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+from torch import nn
+
+from resilient import CheckpointConfig, CheckpointManager, TrainState, state_digest
+from resilient.storage import RetryPolicy
+
+if TYPE_CHECKING:  # imported by pytest as a plugin; importing it here first would skip
+    from s3_fixtures import S3Env  # its assertion rewriting
+
+pytest_plugins = ["s3_fixtures"]  # moto_endpoint, s3, s3proxy
+pytestmark = pytest.mark.timeout(60)
+
+
+class Trainee:
+    """A model of `width`^2 * 2 parameters, AdamW and a StepLR."""
+
+    def __init__(self, seed: int, width: int = 64) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
+        self.width = width
+
+    def train(self, steps: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        for _ in range(steps):
+            loss = self.model(torch.randn(4, self.width, generator=g)).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.sched.step()
+
+    def state(self) -> TrainState:
+        return TrainState(model=self.model, optimizer=self.opt, common={"scheduler": self.sched})
+
+    def digest(self) -> str:
+        return state_digest(self.model, self.opt)
+
+
+FAST = RetryPolicy(initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01, budget_s=20)
+
+
+def s3_manager(url: str, **kw: Any) -> CheckpointManager:
+    kw.setdefault("async_save", False)
+    kw.setdefault("retry", FAST)
+    return CheckpointManager(CheckpointConfig(url=url, **kw))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_round_trip_multipart(s3: S3Env, async_save: bool) -> None:
+    t = Trainee(0, width=1024)  # ~25 MB with AdamW: several 5 MiB parts
+    t.train(2)
+    opts = {"default_block_size": 5 << 20, "max_concurrency": 4}
+    mgr = s3_manager(s3.url(), async_save=async_save, storage_options=opts)
+    mgr.check_writable()
+    mgr.save(t.state(), step=2)
+    mgr.wait()
+    mgr.close()
+    keys = s3.keys("ckpt")
+    assert "ckpt/step_000000002/manifest.json" in keys, keys
+    assert not [k for k in keys if k.endswith(".tmp") or "probe" in k], keys
+    manifest = json.loads(s3.fs.cat_file(f"{s3.bucket}/ckpt/step_000000002/manifest.json"))
+    assert {f"ckpt/step_000000002/{n}" for n in manifest["files"]} | {
+        "ckpt/step_000000002/manifest.json"
+    } == set(keys)
+    assert s3.open_uploads() == []
+
+    u = Trainee(1, width=1024)
+    assert u.digest() != t.digest()
+    mgr2 = s3_manager(s3.url(), storage_options=opts)
+    assert mgr2.load_latest(u.state()) == 2
+    assert u.digest() == t.digest()
+    assert u.sched.state_dict() == t.sched.state_dict()
+
+
+def test_transient_faults_are_retried(s3: S3Env, s3proxy: Any, events: Any) -> None:
+    t = Trainee(0, width=1024)
+    t.train(1)
+    opts = {
+        "default_block_size": 5 << 20,
+        "max_concurrency": 4,
+        "config_kwargs": {"read_timeout": 1, "connect_timeout": 1},
+    }
+    p = s3proxy
+    save_faults = [
+        p.add("slowdown", method="PUT", path=r"partNumber=1$", times=2),
+        p.add("reset", method="PUT", path=r"partNumber=2$", times=2),
+        p.add("reset_after", method="PUT", path=r"partNumber=3$", times=1),
+        p.add("internal", method="POST", path=r"uploadId=", times=1),
+        p.add("reset_after", method="POST", path=r"uploadId=", times=1),
+        p.add("slowdown", method="HEAD", times=2),
+        p.add("internal", method="GET", path=r"list-type", times=1),
+        p.add("reset_after", method="PUT", path=r"manifest\.json", times=1),
+    ]
+    mgr = s3_manager(s3.url(), storage_options=opts)
+    mgr.save(t.state(), step=1)
+    assert [f.fired for f in save_faults] == [f.times for f in save_faults]
+
+    load_faults = [
+        p.add("delay", method="GET", path=r"\.distcp", times=1, delay_s=2.5),
+        p.add("reset", method="GET", path=r"\.distcp", times=2),
+        p.add("slowdown", method="GET", path=r"manifest", times=1),
+    ]
+    u = Trainee(1, width=1024)
+    assert s3_manager(s3.url(), storage_options=opts).load_latest(u.state()) == 1
+    assert u.digest() == t.digest()
+    assert [f.fired for f in load_faults] == [f.times for f in load_faults]
+
+    errors = " ".join(e["error"] for e in events("storage.retry"))
+    for symptom in ("reduce your request rate", "internal error", "ReadTimeoutError"):
+        assert symptom in errors
+    assert "EndpointConnectionError" in errors or "ConnectionClosedError" in errors
+    assert events("ckpt.fallback") == []
+    assert s3.open_uploads() == []
