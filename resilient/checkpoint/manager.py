@@ -56,10 +56,14 @@ class CheckpointConfig:
     """Write in a background thread; the loop blocks only while tensors are staged."""
     write_threads: int = 1
     """DCP writer threads per rank."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """Passed to fsspec (endpoint, credentials, ...)."""
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Passed to fsspec (endpoint, credentials, ...). Not in repr: it may hold secrets."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    """Retry policy of every storage call."""
+    """Retry policy of every storage call, and the time budget of a save."""
+    on_save_error: str = "raise"
+    """What a failed save does once logged (ckpt.save.failed): "raise" stops training (the
+    error reaches the loop at the next save or wait), "continue" goes on training. Either way
+    the previous checkpoint stays the newest valid one."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -69,6 +73,10 @@ class CheckpointConfig:
             )
         if not 1 <= self.write_threads <= 64:
             raise ConfigError(f"write_threads must be in [1, 64], got {self.write_threads}")
+        if self.on_save_error not in ("raise", "continue"):
+            raise ConfigError(
+                f'on_save_error must be "raise" or "continue", got {self.on_save_error!r}'
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,25 +245,38 @@ class CheckpointManager:
     ) -> int | None:
         rel = step_dir(step)
         try:
-            if self._agree(lambda: self._prepare_dir(rel)) == "exists":
-                self._log.info("ckpt.save.skipped", step=step, reason="already committed")
-                return step
-            writer = make_writer(self.storage, rel, thread_count=self.config.write_threads)
-            dcp.save(
-                sd,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                process_group=self._pg,
-                no_dist=not self._distributed,
-            )
-            written = time.perf_counter()
-            entries = self._gather_all(writer.file_checksums)
-            manifest = self._agree(lambda: self._commit(step, entries))
+            # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
+            with self.storage.budget(self.config.retry.save_budget_s):
+                if self._agree(lambda: self._prepare_dir(rel)) == "exists":
+                    self._log.info("ckpt.save.skipped", step=step, reason="already committed")
+                    return step
+                writer = make_writer(self.storage, rel, thread_count=self.config.write_threads)
+                dcp.save(
+                    sd,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(),
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
+                )
+                written = time.perf_counter()
+                entries = self._gather_all(writer.file_checksums)
+                manifest = self._agree(lambda: self._commit(step, entries))
         except Exception as e:
-            self._log.error("ckpt.save.failed", step=step, error=f"{type(e).__name__}: {e}")
+            error = self.storage.redact(f"{type(e).__name__}: {e}")
+            self._log.error(
+                "ckpt.save.failed",
+                step=step,
+                error=error,
+                newest_valid=self.last_committed,
+                action=self.config.on_save_error,
+            )
+            if self.config.on_save_error == "continue":
+                return None
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"saving step {step} to {self.storage.url} failed: {e}") from e
+            raise CheckpointError(
+                self.storage.redact(f"saving step {step} to {self.storage.url} failed: {e}")
+            ) from e
         done = time.perf_counter()
         self.last_committed = step
         self._log.info(
@@ -268,7 +289,12 @@ class CheckpointManager:
             commit_s=round(done - written, 4),
         )
         if self.rank == 0:
-            self._retain(step)
+            try:
+                self._retain(step)
+            except OSError as e:  # the checkpoint is committed; old ones stay until next time
+                self._log.warning(
+                    "ckpt.retention.failed", step=step, error=self.storage.redact(str(e))
+                )
         return step
 
     def _prepare_dir(self, rel: str) -> str:
@@ -293,8 +319,9 @@ class CheckpointManager:
                 files[name] = FileEntry(size=size, crc32=crc)
         crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}")
         files[_DCP_METADATA] = FileEntry(size=size, crc32=crc)
+        stored = self.storage.list_sizes(rel)  # one listing, not a request per file
         for name, entry in files.items():  # what storage holds is what we hashed
-            found = self.storage.size(f"{rel}/{name}")
+            found = stored.get(name)
             if found != entry.size:
                 raise CheckpointError(
                     f"{rel}/{name} holds {found} bytes after the write, expected {entry.size}"
@@ -344,49 +371,65 @@ class CheckpointManager:
         """
         self.wait()
         t0 = time.perf_counter()
-        candidates = self._agree(lambda: [i.step for i in reversed(self.list()) if i.committed])
+        candidates = self.candidates()
         for step in candidates:
-            try:
-                manifest = self._agree(lambda s=step: self.read_manifest(s))
-            except CheckpointCorruptError as e:
-                self._log.error("ckpt.fallback", step=step, reason=str(e))
-                self._rejected.add(step)
-                continue
-            problems = [p for ps in self._gather_all(self.verify(step, manifest)) for p in ps]
-            if problems:
-                self._log.error(
-                    "ckpt.fallback", step=step, reason="verification failed", problems=problems
-                )
-                self._rejected.add(step)
-                continue
-            error: str | None = None
-            try:
-                self._load(state, step, manifest)
-            except (CheckpointMismatchError, ConfigError):
-                raise
-            except Exception as e:
-                error = f"rank {self.rank}: {type(e).__name__}: {e}"
-            # all ranks must land on the same checkpoint, even if only one failed to load it
-            errors = [err for err in self._gather_all(error) if err]
-            if errors:
-                self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
-                self._rejected.add(step)
-                continue
-            self.last_committed = step
-            self._log.info(
-                "ckpt.load",
-                step=step,
-                bytes=manifest.total_bytes,
-                saved_world_size=manifest.world_size,
-                seconds=round(time.perf_counter() - t0, 4),
-            )
-            return step
+            if self.try_load(state, step, started=t0):
+                return step
         self._log.info(
             "ckpt.fresh_start",
             url=self.storage.url,
             reason="no valid checkpoint" if candidates else "no checkpoint",
         )
         return None
+
+    def candidates(self) -> builtins.list[int]:
+        """Committed steps, newest first, as rank 0 lists them (every rank gets the same)."""
+        return self._agree(lambda: [i.step for i in reversed(self.list()) if i.committed])
+
+    def try_load(self, state: TrainState, step: int, *, started: float | None = None) -> bool:
+        """Verify checkpoint `step` against its manifest and load it into `state`.
+
+        False, logged as ckpt.fallback, when it fails verification or loading on any rank (all
+        ranks agree). Raises CheckpointMismatchError when it does not fit the tracked state.
+        `started` (a perf_counter time) is where ckpt.load's `seconds` count from.
+        """
+        t0 = time.perf_counter() if started is None else started
+        try:
+            manifest = self._agree(lambda: self.read_manifest(step))
+        except CheckpointCorruptError as e:
+            self._log.error("ckpt.fallback", step=step, reason=str(e))
+            self._rejected.add(step)
+            return False
+        problems = [p for ps in self._gather_all(self.verify(step, manifest)) for p in ps]
+        if problems:
+            self._log.error(
+                "ckpt.fallback", step=step, reason="verification failed", problems=problems
+            )
+            self._rejected.add(step)
+            return False
+        error: str | None = None
+        try:
+            self._load(state, step, manifest)
+        except (CheckpointMismatchError, ConfigError):
+            raise
+        except Exception as e:
+            error = self.storage.redact(f"rank {self.rank}: {type(e).__name__}: {e}")
+        # all ranks must land on the same checkpoint, even if only one failed to load it
+        errors = [err for err in self._gather_all(error) if err]
+        if errors:
+            self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
+            self._rejected.add(step)
+            return False
+        self.last_committed = step
+        self._log.info(
+            "ckpt.load",
+            step=step,
+            bytes=manifest.total_bytes,
+            saved_world_size=manifest.world_size,
+            url=self.storage.url,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
+        return True
 
     def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
         reader = make_reader(self.storage, step_dir(step))
