@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from resilient import CheckpointConfig, CheckpointManager, TrainState, state_digest
+from resilient.checkpoint.tiers import TieredCheckpointManager
 from resilient.storage import RetryPolicy
 
 if TYPE_CHECKING:  # imported by pytest as a plugin; importing it here first would skip
@@ -120,3 +123,92 @@ def test_transient_faults_are_retried(s3: S3Env, s3proxy: Any, events: Any) -> N
     assert "EndpointConnectionError" in errors or "ConnectionClosedError" in errors
     assert events("ckpt.fallback") == []
     assert s3.open_uploads() == []
+
+
+# ------------------------------------------------------------------------------ two tiers
+def tiered(s3: S3Env, local: Path, **kw: Any) -> TieredCheckpointManager:
+    kw.setdefault("async_save", False)
+    kw.setdefault("retry", FAST)
+    kw.setdefault("keep_last", 10)
+    return TieredCheckpointManager(
+        CheckpointConfig(url=s3.url(), local_url=str(local), remote_every=3, **kw)
+    )
+
+
+def train_and_save(mgr: TieredCheckpointManager, steps: int) -> dict[int, str]:
+    """One training step and one save per step; the digest after each."""
+    t = Trainee(0)
+    digests = {}
+    for step in range(1, steps + 1):
+        t.train(1)
+        mgr.save(t.state(), step)
+        digests[step] = t.digest()
+    return digests
+
+
+def steps_in(keys: list[str]) -> list[int]:
+    return sorted({int(k.split("step_")[1][:9]) for k in keys if k.endswith("manifest.json")})
+
+
+def local_steps(root: Path) -> list[int]:
+    return sorted(int(p.parent.name[5:]) for p in root.glob("step_*/manifest.json"))
+
+
+def test_tiers_route_saves_and_load_the_newest_across_both(
+    s3: S3Env, tmp_path: Path, events: Any
+) -> None:
+    local = tmp_path / "local"
+    mgr = tiered(s3, local, async_save=True)
+    mgr.check_writable()
+    digests = train_and_save(mgr, 7)
+    t = Trainee(0)
+    t.train(8)
+    mgr.save(t.state(), 8, blocking=True)  # an explicit blocking save goes to the durable tier
+    digests[8] = t.digest()
+    mgr.close()
+    assert steps_in(s3.keys()) == [3, 6, 8]
+    assert local_steps(local) == [1, 2, 4, 5, 7]
+    assert [e["tier"] for e in events("ckpt.tier")] == ["local", "local", "remote"] * 2 + [
+        "local",
+        "remote",
+    ]
+
+    u = Trainee(1)
+    assert tiered(s3, local).load_latest(u.state()) == 8
+    assert u.digest() == digests[8]
+    assert events("ckpt.tier.loaded")[-1]["tier"] == "remote"
+
+    # the newest is local: taken from there
+    shutil.rmtree(local / "step_000000008", ignore_errors=True)
+    s3.fs.rm(f"{s3.bucket}/ckpt/step_000000008", recursive=True)
+    assert tiered(s3, local).load_latest(u.state()) == 7
+    assert u.digest() == digests[7]
+    assert events("ckpt.tier.loaded")[-1]["tier"] == "local"
+
+
+def test_tiers_node_lost_resumes_from_s3(s3: S3Env, tmp_path: Path, events: Any) -> None:
+    local = tmp_path / "local"
+    digests = train_and_save(tiered(s3, local), 5)
+    assert local_steps(local) == [1, 2, 4, 5] and steps_in(s3.keys()) == [3]
+    shutil.rmtree(local)  # the node and its disk are gone
+    u = Trainee(1)
+    mgr = tiered(s3, local)
+    mgr.check_writable()  # a new, empty local directory
+    assert mgr.load_latest(u.state()) == 3
+    assert u.digest() == digests[3]
+    assert events("ckpt.fallback") == []
+
+
+def test_tiers_verify_local_checkpoints_before_use(s3: S3Env, tmp_path: Path, events: Any) -> None:
+    local = tmp_path / "local"
+    digests = train_and_save(tiered(s3, local), 5)
+    (data,) = (local / "step_000000005").glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a bit flip in local step 5
+    data.write_bytes(bytes(raw))
+    (local / "step_000000004" / "manifest.json").unlink()  # step 4: a torn local save
+    u = Trainee(1)
+    assert tiered(s3, local).load_latest(u.state()) == 3  # from S3
+    assert u.digest() == digests[3]
+    (fallback,) = events("ckpt.fallback")
+    assert fallback["step"] == 5 and "crc32" in " ".join(fallback["problems"])

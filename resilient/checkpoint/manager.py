@@ -60,6 +60,12 @@ class CheckpointConfig:
     """Passed to fsspec (endpoint, credentials, ...). Not in repr: it may hold secrets."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     """Retry policy of every storage call, and the time budget of a save."""
+    local_url: str | None = None
+    """A fast local directory for a second tier (resilient.checkpoint.tiers): most saves go
+    there, every `remote_every`-th to `url`. It must be one directory all ranks share (one
+    host, or a shared filesystem). Needs TieredCheckpointManager / open_manager()."""
+    remote_every: int = 1
+    """With `local_url`: every N-th save (and every explicit blocking save) goes to `url`."""
     on_save_error: str = "raise"
     """What a failed save does once logged (ckpt.save.failed): "raise" stops training (the
     error reaches the loop at the next save or wait), "continue" goes on training. Either way
@@ -73,6 +79,10 @@ class CheckpointConfig:
             )
         if not 1 <= self.write_threads <= 64:
             raise ConfigError(f"write_threads must be in [1, 64], got {self.write_threads}")
+        if self.remote_every < 1:
+            raise ConfigError(f"remote_every must be >= 1, got {self.remote_every}")
+        if self.local_url is not None and self.local_url.rstrip("/") == self.url.rstrip("/"):
+            raise ConfigError("local_url must differ from url: they are two separate tiers")
         if self.on_save_error not in ("raise", "continue"):
             raise ConfigError(
                 f'on_save_error must be "raise" or "continue", got {self.on_save_error!r}'
@@ -92,6 +102,11 @@ class CheckpointManager:
     """
 
     def __init__(self, config: CheckpointConfig, *, process_group: Any = None) -> None:
+        if config.local_url is not None:
+            raise ConfigError(
+                "CheckpointConfig.local_url needs two tiers: use "
+                "resilient.checkpoint.open_manager(config) or TieredCheckpointManager"
+            )
         self.config = config
         self.storage = Storage(
             config.url, storage_options=config.storage_options, retry=config.retry
