@@ -147,6 +147,7 @@ class S3Sink:
             lambda: self._fs.call_s3(
                 "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id
             ),
+            cleanup=True,
         )
 
 

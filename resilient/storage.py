@@ -78,17 +78,11 @@ _RETRYABLE_NAMES = {
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci"}
 
 
-class _BudgetSpent(StorageError):
-    """The time budget of the current save ran out before this call could start."""
-
-
 def is_retryable(exc: BaseException) -> bool:
     """True for errors that a later attempt may not see: timeouts, resets, 5xx and throttling.
 
     Never for missing things (NoSuchBucket, 404), refused credentials or permissions (403).
     """
-    if isinstance(exc, _BudgetSpent):
-        return False
     code, status = _s3.error_code(exc)
     if code is not None or status is not None:
         return code in _RETRYABLE_CODES or status in _RETRYABLE_STATUS
@@ -132,10 +126,11 @@ class RetryPolicy:
     """Attempts per call, the first included."""
     budget_s: float = 120.0
     """Total seconds one call may spend retrying before it fails loudly."""
-    save_budget_s: float | None = 1800.0
-    """Wall-clock seconds of one checkpoint save's storage work, retries included. Once spent,
-    no call starts or retries and the save fails; the previous checkpoint stays the newest
-    valid one. None: only the per-call budget applies."""
+    save_budget_s: float | None = 600.0
+    """Retry budget of one checkpoint save, in seconds from its start: once spent, a failing
+    call is not retried any more and the save fails loudly; the previous checkpoint stays the
+    newest valid one. A save that meets no error is never cut short. None: only the per-call
+    limits apply."""
     initial_wait_s: float = 0.2
     """First backoff; doubles each attempt, plus up to `jitter_s` of random jitter, up to
     `max_wait_s`."""
@@ -184,11 +179,6 @@ class RetryPolicy:
         scrub = redact or _redact
         start = self.clock()
 
-        def attempt() -> T:
-            if deadline is not None and self.clock() >= deadline:
-                raise _BudgetSpent(f"{what}: the save's time budget is spent")
-            return fn()
-
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             log.warning(
@@ -199,10 +189,9 @@ class RetryPolicy:
                 error=scrub(f"{type(exc).__name__}: {exc}"),
             )
 
+        stop = _Stop(self, start=start, deadline=deadline)
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.max_attempts)
-            | tenacity.stop_before_delay(self.budget_s)
-            | _StopAtDeadline(deadline, self.clock),
+            stop=stop,
             wait=tenacity.wait_exponential_jitter(
                 multiplier=self.initial_wait_s, max=self.max_wait_s, jitter=self.jitter_s
             ),
@@ -212,44 +201,44 @@ class RetryPolicy:
             reraise=True,
         )
         try:
-            return retrying(attempt)
-        except _BudgetSpent as e:
-            raise StorageError(
-                scrub(
-                    f"{what} not attempted: the save's time budget "
-                    "(RetryPolicy.save_budget_s) is spent"
-                )
-            ) from e
+            return retrying(fn)
         except Exception as e:
             if not is_retryable(e):
                 raise
             attempts = retrying.statistics.get("attempt_number", 1)
             elapsed = self.clock() - start
-            if deadline is not None and self.clock() + self.initial_wait_s >= deadline:
-                why = "the save's time budget (RetryPolicy.save_budget_s) is spent"
-            elif attempts >= self.max_attempts:
-                why = f"max_attempts={self.max_attempts} reached"
-            else:
-                why = f"the per-call budget of {self.budget_s:g} s (RetryPolicy.budget_s) is spent"
             raise StorageError(
                 scrub(
-                    f"{what} failed after {attempts} attempt(s) in {elapsed:.1f} s, {why}: "
+                    f"{what} failed after {attempts} attempt(s) in {elapsed:.1f} s, {stop.reason}: "
                     f"{type(e).__name__}: {e}"
                 )
             ) from e
 
 
-class _StopAtDeadline(tenacity.stop.stop_base):
-    """Stop when the next attempt would start after `deadline` (a `clock()` time)."""
+class _Stop(tenacity.stop.stop_base):
+    """Stop retrying when another attempt would pass a limit; `reason` says which.
 
-    def __init__(self, deadline: float | None, clock: Callable[[], float]) -> None:
+    Uses the policy's clock (not tenacity's), so tests can drive all three limits.
+    """
+
+    def __init__(self, policy: RetryPolicy, *, start: float, deadline: float | None) -> None:
+        self.policy = policy
+        self.start = start
         self.deadline = deadline
-        self.clock = clock
+        self.reason = ""
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        if self.deadline is None:
+        p = self.policy
+        next_start = p.clock() + retry_state.upcoming_sleep
+        if retry_state.attempt_number >= p.max_attempts:
+            self.reason = f"max_attempts={p.max_attempts} reached"
+        elif self.deadline is not None and next_start >= self.deadline:
+            self.reason = "the save's time budget (RetryPolicy.save_budget_s) is spent"
+        elif next_start - self.start >= p.budget_s:
+            self.reason = f"the per-call budget of {p.budget_s:g} s (RetryPolicy.budget_s) is spent"
+        else:
             return False
-        return self.clock() + retry_state.upcoming_sleep >= self.deadline
+        return True
 
 
 def _redact(text: str, extra: tuple[str, ...] = ()) -> str:
@@ -363,7 +352,7 @@ class Storage:
 
     @contextlib.contextmanager
     def budget(self, seconds: float | None) -> Iterator[None]:
-        """Calls inside share a deadline `seconds` from now (None: no deadline).
+        """Calls inside stop retrying `seconds` from now (None: no deadline).
 
         Applies to every thread that uses this Storage meanwhile (DCP's writer threads, the
         upload pools): one save at a time per Storage, as the checkpoint manager does.
@@ -375,10 +364,11 @@ class Storage:
         finally:
             self._deadline = previous
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return self.retry.call(
-            f"{what} at {self.url}", fn, deadline=self._deadline, redact=self.redact
-        )
+    def _call(self, what: str, fn: Callable[[], T], *, cleanup: bool = False) -> T:
+        """`fn` under the retry policy. A `cleanup` call (aborting an upload after a failure)
+        is retried past the save's deadline: it keeps a failed save from leaving garbage."""
+        deadline = None if cleanup else self._deadline
+        return self.retry.call(f"{what} at {self.url}", fn, deadline=deadline, redact=self.redact)
 
     # ------------------------------------------------------------------ small calls
     def exists(self, rel: str) -> bool:

@@ -51,7 +51,7 @@ class S3Env:
     def url(self, prefix: str = "ckpt") -> str:
         return f"s3://{self.bucket}/{prefix}"
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def objects(self, prefix: str = "") -> list[str]:
         """Every object key under `prefix` (relative to the bucket), sorted."""
         root = f"{self.bucket}/{prefix}".rstrip("/")
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from resilient import CheckpointConfig, CheckpointManager, TrainState, state_digest
+from resilient import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    TrainState,
+    state_digest,
+)
 from resilient.checkpoint.tiers import TieredCheckpointManager
 from resilient.storage import RetryPolicy
 
@@ -67,7 +74,7 @@ def test_round_trip_multipart(s3: S3Env, async_save: bool) -> None:
     mgr.save(t.state(), step=2)
     mgr.wait()
     mgr.close()
-    keys = s3.keys("ckpt")
+    keys = s3.objects("ckpt")
     assert "ckpt/step_000000002/manifest.json" in keys, keys
     assert not [k for k in keys if k.endswith(".tmp") or "probe" in k], keys
     manifest = json.loads(s3.fs.cat_file(f"{s3.bucket}/ckpt/step_000000002/manifest.json"))
@@ -166,7 +173,7 @@ def test_tiers_route_saves_and_load_the_newest_across_both(
     mgr.save(t.state(), 8, blocking=True)  # an explicit blocking save goes to the durable tier
     digests[8] = t.digest()
     mgr.close()
-    assert steps_in(s3.keys()) == [3, 6, 8]
+    assert steps_in(s3.objects()) == [3, 6, 8]
     assert local_steps(local) == [1, 2, 4, 5, 7]
     assert [e["tier"] for e in events("ckpt.tier")] == ["local", "local", "remote"] * 2 + [
         "local",
@@ -189,7 +196,7 @@ def test_tiers_route_saves_and_load_the_newest_across_both(
 def test_tiers_node_lost_resumes_from_s3(s3: S3Env, tmp_path: Path, events: Any) -> None:
     local = tmp_path / "local"
     digests = train_and_save(tiered(s3, local), 5)
-    assert local_steps(local) == [1, 2, 4, 5] and steps_in(s3.keys()) == [3]
+    assert local_steps(local) == [1, 2, 4, 5] and steps_in(s3.objects()) == [3]
     shutil.rmtree(local)  # the node and its disk are gone
     u = Trainee(1)
     mgr = tiered(s3, local)
@@ -212,3 +219,79 @@ def test_tiers_verify_local_checkpoints_before_use(s3: S3Env, tmp_path: Path, ev
     assert u.digest() == digests[3]
     (fallback,) = events("ckpt.fallback")
     assert fallback["step"] == 5 and "crc32" in " ".join(fallback["problems"])
+
+
+# ------------------------------------------------------------------------------ the budget
+def exhausting_policy(save_budget_s: float) -> RetryPolicy:
+    """Retries only the save budget can stop (the per-call limits are far away)."""
+    return RetryPolicy(
+        initial_wait_s=0.05,
+        max_wait_s=0.2,
+        jitter_s=0.05,
+        max_attempts=10_000,
+        budget_s=600,
+        save_budget_s=save_budget_s,
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_exhausted_budget_fails_loudly_and_keeps_the_previous_checkpoint(
+    s3: S3Env, s3proxy: Any, events: Any, async_save: bool
+) -> None:
+    opts = {"default_block_size": 5 << 20, "max_concurrency": 4}
+    mgr = s3_manager(
+        s3.url(), retry=exhausting_policy(1.0), storage_options=opts, async_save=async_save
+    )
+    t = Trainee(0, width=1024)
+    t.train(1)
+    mgr.save(t.state(), 1)
+    mgr.wait()
+    first = t.digest()
+
+    throttle = s3proxy.add("slowdown", method="PUT", path=r"\.distcp", times=None)
+    t.train(1)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"save_budget_s"):
+        mgr.save(t.state(), 2)
+        mgr.wait()
+    elapsed = time.monotonic() - start
+    assert throttle.fired > 3  # it retried, with backoff, until the budget ran out
+    assert elapsed < 30, elapsed  # a hang guard: the budget is 1 s, the per-call one 600 s
+    (failed,) = events("ckpt.save.failed")
+    assert failed["step"] == 2 and failed["newest_valid"] == 1
+    assert s3.open_uploads() == []  # the multipart upload was aborted
+
+    # the previous checkpoint is still the newest valid one; no part of step 2 is visible
+    assert [(i.step, i.committed) for i in mgr.list()] == [(1, True)]
+    assert not [k for k in s3.objects() if "step_000000002" in k]
+    u = Trainee(1, width=1024)
+    assert s3_manager(s3.url(), storage_options=opts).load_latest(u.state()) == 1
+    assert u.digest() == first
+
+    # storage recovers: the same step saves, over its torn leftovers
+    s3proxy.clear()
+    mgr.save(t.state(), 2)
+    assert mgr.wait() in (2, None)
+    assert [(i.step, i.committed) for i in mgr.list()] == [(1, True), (2, True)]
+    mgr.close()
+
+
+def test_on_save_error_continue_keeps_training(s3: S3Env, s3proxy: Any, events: Any) -> None:
+    mgr = s3_manager(s3.url(), retry=exhausting_policy(1.0), on_save_error="continue")
+    t = Trainee(0)
+    mgr.save(t.state(), 1)
+    s3proxy.add("internal", method="PUT", path=r"\.distcp", times=None)
+    mgr.save(t.state(), 2)  # fails, is logged, does not raise
+    assert events("ckpt.save.failed")[0]["action"] == "continue"
+    s3proxy.clear()
+    mgr.save(t.state(), 3)
+    assert [i.step for i in mgr.list() if i.committed] == [1, 3]
+
+
+def test_permanent_errors_are_not_retried(s3: S3Env, s3proxy: Any, events: Any) -> None:
+    denied = s3proxy.add("forbidden", method="PUT", path=r"\.distcp", times=None)
+    mgr = s3_manager(s3.url())
+    with pytest.raises(CheckpointError, match="Access Denied"):
+        mgr.save(Trainee(0).state(), 1)
+    assert denied.fired == 1
+    assert events("storage.retry") == []

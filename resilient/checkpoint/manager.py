@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -276,8 +277,10 @@ class CheckpointManager:
                 written = time.perf_counter()
                 entries = self._gather_all(writer.file_checksums)
                 manifest = self._agree(lambda: self._commit(step, entries))
-        except Exception as e:
-            error = self.storage.redact(f"{type(e).__name__}: {e}")
+        # DCP's CheckpointException is a BaseException: without it, a failed write escaped
+        # unlogged and uncounted.
+        except (Exception, CheckpointException) as e:
+            error = self.storage.redact(_why(e))
             self._log.error(
                 "ckpt.save.failed",
                 step=step,
@@ -290,7 +293,7 @@ class CheckpointManager:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(
-                self.storage.redact(f"saving step {step} to {self.storage.url} failed: {e}")
+                self.storage.redact(f"saving step {step} to {self.storage.url} failed: {error}")
             ) from e
         done = time.perf_counter()
         self.last_committed = step
@@ -427,8 +430,8 @@ class CheckpointManager:
             self._load(state, step, manifest)
         except (CheckpointMismatchError, ConfigError):
             raise
-        except Exception as e:
-            error = self.storage.redact(f"rank {self.rank}: {type(e).__name__}: {e}")
+        except (Exception, CheckpointException) as e:
+            error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
         # all ranks must land on the same checkpoint, even if only one failed to load it
         errors = [err for err in self._gather_all(error) if err]
         if errors:
@@ -535,3 +538,15 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _why(e: BaseException) -> str:
+    """One line per failing rank for DCP's CheckpointException (its str is full tracebacks)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)
+    return f"{type(e).__name__}: {e}"
