@@ -191,18 +191,18 @@ def explain(exc: BaseException, url: str, endpoint: str | None) -> str | None:
     where = f" at {endpoint}" if endpoint else ""
     if code == "NoSuchBucket":
         return (
-            f"bucket {bucket!r} does not exist{where}. Create it (aws s3 mb s3://{bucket}) or fix "
+            f"Bucket {bucket!r} does not exist{where}. Create it (aws s3 mb s3://{bucket}) or fix "
             "the bucket name in the checkpoint URL; resilient never creates buckets."
         )
     if code in _CREDENTIAL_CODES:
         return (
-            f"the S3 credentials were refused ({code}){where}. Check AWS_ACCESS_KEY_ID, "
+            f"The S3 credentials were refused ({code}){where}. Check AWS_ACCESS_KEY_ID, "
             "AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN, AWS_PROFILE and ~/.aws/credentials, "
             "or key/secret/token in storage_options."
         )
     if code in {"AccessDenied", "AllAccessDisabled", "AccountProblem"} or status == 403:
         return (
-            f"access to {url} was denied ({code or status}). The credentials need "
+            f"Access to {url} was denied ({code or status}). The credentials need "
             "s3:PutObject, s3:GetObject, s3:ListBucket and s3:DeleteObject on the bucket and "
             "prefix."
         )
@@ -213,12 +213,12 @@ def explain(exc: BaseException, url: str, endpoint: str | None) -> str | None:
         )
     if any(type(e).__name__ == "NoCredentialsError" for e in _chain(exc)):
         return (
-            "no AWS credentials were found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "No AWS credentials were found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
             "AWS_PROFILE, or key/secret in storage_options."
         )
     if is_connection_error(exc):
         return (
-            f"cannot reach the S3 endpoint{where or ''}. Check AWS_ENDPOINT_URL (or "
+            f"Cannot reach the S3 endpoint{where or ''}. Check AWS_ENDPOINT_URL (or "
             "endpoint_url in storage_options) and that the service is up and reachable."
         )
     return None

@@ -535,8 +535,7 @@ class Storage:
 
     def error(self, exc: BaseException, what: str) -> StorageError:
         """A StorageError saying that this location `what`, why, and how to fix it."""
-        hint = _s3.explain(exc, self.url, _s3.endpoint_of(self.fs)) if self.is_s3 else None
-        hint = hint or (
+        hint = self.explain(exc) or (
             "Create it with write permission for this user, or point checkpoint_dir at a "
             "writable location."
         )
@@ -544,6 +543,13 @@ class Storage:
             self.redact(f"checkpoint location {self.url!r} {what} ({type(exc).__name__}: {exc}). ")
             + hint
         )
+
+    def explain(self, exc: BaseException) -> str | None:
+        """How to fix the configuration problem behind `exc` (a missing bucket, refused
+        credentials, an unreachable endpoint, ...); None when it is not one we recognise."""
+        if not self.is_s3:
+            return None
+        return _s3.explain(exc, self.url, _s3.endpoint_of(self.fs))
 
 
 def fsync_dir(path: str) -> None:

@@ -47,6 +47,7 @@ class S3Env:
     endpoint: str
     bucket: str
     fs: Any  # an s3fs filesystem for inspecting the bucket from the test
+    secrets: tuple[str, ...] = SECRETS
 
     def url(self, prefix: str = "ckpt") -> str:
         return f"s3://{self.bucket}/{prefix}"

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from conftest import free_port
 from torch import nn
 
+import resilient
 from resilient import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    StorageError,
     TrainState,
     state_digest,
 )
@@ -295,3 +300,141 @@ def test_permanent_errors_are_not_retried(s3: S3Env, s3proxy: Any, events: Any) 
         mgr.save(Trainee(0).state(), 1)
     assert denied.fired == 1
     assert events("storage.retry") == []
+
+
+# ------------------------------------------------------------------------------ bad input
+def run_steps(url: str, tmp_path: Path, **options: Any) -> list[int]:
+    """resilient.init on `url`, then its step loop; the steps that ran before it raised."""
+    rt = resilient.init(url, run_dir=str(tmp_path / "run"), console_level="CRITICAL", **options)
+    ran: list[int] = []
+    try:
+        rt.track(model=Trainee(0).model)
+        for step in rt.steps(3):
+            ran.append(step)
+    finally:
+        rt.close()
+    return ran
+
+
+def test_missing_bucket_is_one_clear_error_before_training(
+    s3: S3Env, tmp_path: Path, events: Any
+) -> None:
+    url = "s3://no-such-bucket-for-resilient/ckpt"
+    with pytest.raises(StorageError) as err:
+        s3_manager(url).check_writable()
+    message = str(err.value)
+    assert url in message
+    assert "Bucket 'no-such-bucket-for-resilient' does not exist" in message
+    assert "Create it" in message and "never creates buckets" in message
+    with pytest.raises(StorageError, match="does not exist"):
+        run_steps(url, tmp_path, retry=FAST)
+    assert not s3.fs.exists("no-such-bucket-for-resilient")  # and nothing created it
+
+
+def test_wrong_credentials_are_one_clear_error(
+    s3: S3Env, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, events: Any
+) -> None:
+    import moto.settings
+
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks keys
+    with pytest.raises(StorageError) as err:
+        s3_manager(s3.url()).check_writable()
+    message = str(err.value)
+    assert s3.url() in message and "The S3 credentials were refused (InvalidAccessKeyId)" in message
+    assert "AWS_ACCESS_KEY_ID" in message and "storage_options" in message
+    assert events("storage.retry") == []  # a 403 is permanent
+    with pytest.raises(StorageError, match="credentials were refused"):
+        run_steps(s3.url(), tmp_path, retry=FAST)
+
+
+def test_refused_connection_is_one_clear_error(
+    s3: S3Env, monkeypatch: pytest.MonkeyPatch, events: Any
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    retry = RetryPolicy(initial_wait_s=0.01, max_wait_s=0.02, jitter_s=0.01, max_attempts=3)
+    with pytest.raises(StorageError) as err:
+        s3_manager(s3.url(), retry=retry).check_writable()
+    message = str(err.value)
+    assert s3.url() in message and f"Cannot reach the S3 endpoint at {dead}" in message
+    assert "AWS_ENDPOINT_URL" in message and "max_attempts=3" in message
+    assert len(events("storage.retry")) == 2  # connection errors are retried
+
+
+def test_storage_options_win_over_the_environment(
+    s3: S3Env, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # dead
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var)
+    opts = {"endpoint_url": s3.endpoint, "key": "explicit-key", "secret": "explicit-secret"}
+    t = Trainee(0)
+    mgr = s3_manager(s3.url(), storage_options=opts)
+    mgr.check_writable()
+    mgr.save(t.state(), 1)
+    assert s3.objects("ckpt")[-1] == "ckpt/step_000000001/manifest.json"
+
+    # credentials from the shared credentials file, endpoint from the environment
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = file-key\naws_secret_access_key = file-s\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    u = Trainee(1)
+    assert s3_manager(s3.url()).load_latest(u.state()) == 1
+    assert u.digest() == t.digest()
+
+
+def test_credentials_never_appear_in_logs_events_or_errors(
+    s3: S3Env,
+    s3proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    events: Any,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    import moto.settings
+
+    caplog.set_level(logging.INFO)
+    explicit = {"key": "AKIDEXPLICITRESILIENT9", "secret": "explicitResilientSecret/77Qq"}
+    secrets = [*s3.secrets, *explicit.values()]
+    failures: list[BaseException] = []
+
+    def expect_failure(fn: Any) -> None:
+        with pytest.raises((StorageError, CheckpointError)) as err:
+            fn()
+        failures.append(err.value)
+
+    t = Trainee(0)
+    # an exhausted retry budget, credentials from the environment
+    s3proxy.add("slowdown", method="PUT", times=None)
+    expect_failure(lambda: s3_manager(s3.url(), retry=exhausting_policy(2.0)).save(t.state(), 1))
+    # a permanent error
+    s3proxy.clear()
+    s3proxy.add("forbidden", method="PUT", times=None)
+    expect_failure(lambda: s3_manager(s3.url()).save(t.state(), 1))
+    s3proxy.clear()
+    # a missing bucket, explicit credentials
+    expect_failure(
+        lambda: s3_manager("s3://no-such-bucket-x/c", storage_options=explicit).check_writable()
+    )
+    # refused credentials, explicit and from the environment, through resilient.init
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    expect_failure(lambda: s3_manager(s3.url(), storage_options=explicit).check_writable())
+    expect_failure(lambda: run_steps(s3.url(), tmp_path, retry=FAST, storage_options=explicit))
+    expect_failure(lambda: s3_manager(s3.url()).save(t.state(), 1))
+
+    out, err = capsys.readouterr()
+    shown = [
+        *("".join(traceback.format_exception(e)) for e in failures),
+        *(repr(e) for e in failures),
+        json.dumps(events()),
+        caplog.text,
+        out,
+        err,
+        repr(CheckpointConfig(url=s3.url(), storage_options=explicit)),
+    ]
+    assert len(failures) == 6 and events("storage.retry") and events("ckpt.save.failed")
+    for secret in secrets:
+        for text in shown:
+            assert secret not in text

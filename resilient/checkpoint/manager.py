@@ -292,8 +292,10 @@ class CheckpointManager:
                 return None
             if isinstance(e, CheckpointError):
                 raise
+            hint = self.storage.explain(_first_failure(e))
             raise CheckpointError(
                 self.storage.redact(f"saving step {step} to {self.storage.url} failed: {error}")
+                + (f". {hint}" if hint else "")
             ) from e
         done = time.perf_counter()
         self.last_committed = step
@@ -538,6 +540,17 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException, else `e` itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        exc = first[0] if isinstance(first, tuple) else first
+        if isinstance(exc, BaseException):
+            return exc
+    return e
 
 
 def _why(e: BaseException) -> str:
