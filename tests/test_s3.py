@@ -25,7 +25,7 @@ from resilient import (
     state_digest,
 )
 from resilient.checkpoint.tiers import TieredCheckpointManager
-from resilient.storage import RetryPolicy
+from resilient.storage import RetryPolicy, is_retryable
 
 if TYPE_CHECKING:  # imported by pytest as a plugin; importing it here first would skip
     from s3_fixtures import S3Env  # its assertion rewriting
@@ -438,3 +438,156 @@ def test_credentials_never_appear_in_logs_events_or_errors(
     for secret in secrets:
         for text in shown:
             assert secret not in text
+
+
+# ------------------------------------------------------------------------------ layout
+def test_foreign_objects_are_ignored_and_never_deleted(s3: S3Env, events: Any) -> None:
+    foreign = [
+        "ckpt/notes.txt",
+        "ckpt/step_abc/x",
+        "ckpt/other/y.bin",
+        "ckpt/step_000000001.bak/z",
+        "ckpt-old/step_000000001/manifest.json",  # a sibling prefix sharing our prefix's name
+    ]
+    for key in foreign:
+        s3.fs.pipe_file(f"{s3.bucket}/{key}", b"not ours")
+    mgr = s3_manager(s3.url(), keep_last=2)
+    t = Trainee(0)
+    for step in range(1, 5):
+        t.train(1)
+        mgr.save(t.state(), step)
+    assert [i.step for i in mgr.list()] == [3, 4]
+    assert [e["step"] for e in events("ckpt.retention.delete")] == [1, 2]
+    assert set(foreign) <= set(s3.objects())
+    assert s3_manager(s3.url()).load_latest(Trainee(1).state()) == 4
+
+
+def test_a_save_without_manifest_is_never_loaded_and_later_cleaned(s3: S3Env, events: Any) -> None:
+    mgr = s3_manager(s3.url())
+    t = Trainee(0)
+    t.train(1)
+    mgr.save(t.state(), 1)
+    one = t.digest()
+    # A save that died before its commit: every data file and DCP's .metadata, no manifest.
+    for name in ("__0_0.distcp", ".metadata"):
+        s3.fs.copy(
+            f"{s3.bucket}/ckpt/step_000000001/{name}", f"{s3.bucket}/ckpt/step_000000002/{name}"
+        )
+    assert [(i.step, i.committed) for i in mgr.list()] == [(1, True), (2, False)]
+    u = Trainee(1)
+    assert s3_manager(s3.url()).load_latest(u.state()) == 1 and u.digest() == one
+    t.train(2)
+    mgr.save(t.state(), 3)
+    assert [(i.step, i.committed) for i in mgr.list()] == [(1, True), (3, True)]
+    (deleted,) = events("ckpt.retention.delete")
+    assert deleted["step"] == 2 and "unfinished" in deleted["reason"]
+
+
+# ------------------------------------------------------------------------------ the policy
+class FakeTime:
+    """A clock that only `sleep` advances: the policy's limits without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def policy(ft: FakeTime, **kw: Any) -> RetryPolicy:
+    kw.setdefault("max_attempts", 1000)
+    return RetryPolicy(clock=lambda: ft.now, sleep=ft.sleep, **kw)
+
+
+def always(exc: BaseException) -> Any:
+    def fn() -> None:
+        raise exc
+
+    return fn
+
+
+def test_policy_stops_before_the_save_deadline() -> None:
+    ft = FakeTime()
+    with pytest.raises(StorageError, match=r"save_budget_s\) is spent: ConnectionResetError"):
+        policy(ft, budget_s=1000).call(
+            "put x", always(ConnectionResetError("reset")), deadline=10.0
+        )
+    assert 0 < ft.now < 10.0 and len(ft.slept) > 3
+    assert ft.slept[1] > ft.slept[0]  # exponential backoff
+
+
+def test_policy_per_call_budget_and_attempts() -> None:
+    ft = FakeTime()
+    with pytest.raises(StorageError, match=r"per-call budget of 5 s"):
+        policy(ft, budget_s=5).call("get x", always(TimeoutError("slow")))
+    assert ft.now < 5
+    ft = FakeTime()
+    with pytest.raises(StorageError, match=r"failed after 3 attempt\(s\).*max_attempts=3"):
+        policy(ft, max_attempts=3).call("get x", always(TimeoutError("slow")))
+    assert len(ft.slept) == 2
+
+
+def test_policy_raises_permanent_errors_at_once() -> None:
+    ft = FakeTime()
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        raise PermissionError("Access Denied")
+
+    with pytest.raises(PermissionError):
+        policy(ft).call("put x", fn, deadline=100)
+    assert calls == [1] and ft.slept == []
+
+
+def client_error(code: str, status: int) -> Exception:
+    from botocore.exceptions import ClientError
+
+    cause = ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "PutObject",
+    )
+    translated = OSError(5, code)  # what s3fs raises, with the ClientError as its cause
+    translated.__cause__ = cause
+    return translated
+
+
+@pytest.mark.parametrize(
+    ("exc", "retry"),
+    [
+        (client_error("SlowDown", 503), True),
+        (client_error("ServiceUnavailable", 503), True),
+        (client_error("InternalError", 500), True),
+        (client_error("RequestTimeout", 400), True),
+        (client_error("503", 503), True),  # a HEAD: no body, only the status
+        (client_error("AccessDenied", 403), False),
+        (client_error("InvalidAccessKeyId", 403), False),
+        (client_error("SignatureDoesNotMatch", 403), False),
+        (client_error("NoSuchBucket", 404), False),
+        (client_error("NoSuchKey", 404), False),
+        (FileNotFoundError("gone"), False),
+        (ConnectionResetError("reset"), True),
+        (TimeoutError("slow"), True),
+    ],
+    ids=lambda v: v if isinstance(v, bool) else f"{type(v).__name__}:{v}",
+)
+def test_what_is_retried(exc: BaseException, retry: bool) -> None:
+    assert is_retryable(exc) is retry
+
+
+def test_botocore_connection_errors_are_retried() -> None:
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+
+    url = "http://127.0.0.1:1/b/k"
+    for exc in (
+        EndpointConnectionError(endpoint_url=url),
+        ConnectionClosedError(endpoint_url=url),
+        ReadTimeoutError(endpoint_url=url),
+    ):
+        assert is_retryable(exc), exc
