@@ -227,8 +227,8 @@ class S3FaultProxy:
     @property
     def url(self) -> str:
         assert self._server is not None, "start() first"
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        port = self._server.server_address[1]
+        return f"http://127.0.0.1:{port}"
 
     def start(self) -> str:
         """Listen on a free loopback port; returns the proxy's URL."""

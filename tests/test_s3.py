@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, read_events
 from torch import nn
 
 import resilient
@@ -591,3 +591,77 @@ def test_botocore_connection_errors_are_retried() -> None:
         ReadTimeoutError(endpoint_url=url),
     ):
         assert is_retryable(exc), exc
+
+
+# ------------------------------------------------------------------------------ multi-rank
+def launch(run: Any, base: Path, name: str, nproc: int, ops: list[str]) -> dict[str, Any]:
+    """One reshard_worker launch; its records by op ("save:fsdp:<url>"), checked alike on
+    every rank (state_digest is of the full state)."""
+    out = base / f"out_{name}"
+    rc, stdout, stderr = run(["--out", str(out), "--run-dir", str(base / f"run_{name}"), *ops])
+    assert rc == 0, f"launch {name} failed (rc={rc})\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    for recs in per_rank:
+        assert [x["digest"] for x in recs] == [x["digest"] for x in per_rank[0]]
+    return {rec["op"]: rec for rec in per_rank[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ddp_and_fsdp2_save_to_s3_and_load_on_another_world_size(
+    s3: S3Env, torchrun: Any, python_proc: Any, tmp_path: Path
+) -> None:
+    """2 ranks save (FSDP2, DDP) to S3; one process loads both: bitwise. (Several ranks
+    loading from S3 at once: test_two_tiers_under_fsdp2_and_node_loss.)"""
+    fsdp, ddp = s3.url("fsdp2"), s3.url("ddp2")
+    saved = launch(
+        lambda a: torchrun(2, "reshard_worker.py", *a, timeout=180),
+        tmp_path,
+        "save",
+        2,
+        [f"save:fsdp:{fsdp}", f"save:ddp:{ddp}"],
+    )
+    source = {f"load:plain:{fsdp}": f"save:fsdp:{fsdp}", f"load:plain:{ddp}": f"save:ddp:{ddp}"}
+    loaded = launch(
+        lambda a: python_proc("reshard_worker.py", *a, timeout=120),
+        tmp_path,
+        "load",
+        1,
+        list(source),
+    )
+    for op, rec in loaded.items():
+        src = saved[source[op]]
+        assert (src["world_size"], rec["world_size"]) == (2, 1)
+        assert rec["step"] == src["step"] == 3, op
+        assert rec["digest_before"] != src["digest"]
+        assert rec["digest"] == src["digest"], op
+        assert rec["scheduler"] == src["scheduler"]
+    for url in (fsdp, ddp):
+        prefix = url.split("/", 3)[3]
+        manifest = json.loads(s3.fs.cat_file(f"{s3.bucket}/{prefix}/step_000000003/manifest.json"))
+        assert manifest["world_size"] == 2
+        assert sum(n.endswith(".distcp") for n in manifest["files"]) == 2
+    assert s3.open_uploads() == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_tiers_under_fsdp2_and_node_loss(s3: S3Env, torchrun: Any, tmp_path: Path) -> None:
+    """2 ranks: saves 1, 2, 4 local and 3 on S3; load local 4; wipe local; load S3's 3."""
+    out, local = tmp_path / "out", tmp_path / "local"
+    rc, stdout, stderr = torchrun(
+        2,
+        "tier_worker.py",
+        *("--url", s3.url(), "--tier-dir", str(local), "--run-dir", str(tmp_path / "run")),
+        *("--out", str(out)),
+        timeout=150,
+    )
+    assert rc == 0, f"rc={rc}\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert records[0] == records[1]
+    saved, loaded = records[0]["saved"], records[0]["loaded"]
+    assert loaded == [[4, saved["4"]], [3, saved["3"]]]
+    assert steps_in(s3.objects()) == [3]
+    assert not local.exists() or local_steps(local) == []
+    tiers = read_events(tmp_path / "run" / "logs" / "rank0.jsonl", "ckpt.tier.loaded")
+    assert [(e["step"], e["tier"]) for e in tiers] == [(4, "local"), (3, "remote")]
