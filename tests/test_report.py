@@ -1,0 +1,131 @@
+"""The run report's arithmetic, on hand-built event logs where every figure is known."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from resilient.report import analyze, format_report, plot_timeline
+
+T0 = 1_800_000_000.0
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _write(run_dir: Path, name: str, events: list[dict]) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with (run_dir / "logs" / name).open("a") as f:
+        for e in events:
+            f.write(
+                json.dumps({**{k: v for k, v in e.items() if k != "t"}, "ts": _iso(T0 + e["t"])})
+                + "\n"
+            )
+
+
+def _progress(restart: int, first: int, last: int, t0: float, step_s: float) -> dict:
+    t1 = t0 + (last - first + 1) * step_s
+    return {
+        "event": "train.progress",
+        "rank": 0,
+        "restart": restart,
+        "first": first,
+        "last": last,
+        "t0": T0 + t0,
+        "t1": T0 + t1,
+        "t1_first": T0 + t0 + step_s,
+        "busy_s": (last - first + 1) * step_s,
+        "t": t1,
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """Attempt 0: steps 0-9 at 1 s each from t=2, saves after steps 4 and 8 (0.1 s blocked),
+    killed at t=12.5 (chaos). Attempt 1 starts at t=14, resumes at step 8 at t=15, runs
+    steps 8-19 at 1 s each, and ends at t=27."""
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "step": 0, "t": 2.0},
+        _progress(0, 0, 0, 2.0, 1.0),
+        _progress(0, 1, 9, 3.0, 1.0),
+        {"event": "ckpt.save.staged", "rank": 0, "restart": 0, "blocked_s": 0.1, "t": 7.0},
+        {
+            "event": "ckpt.save.committed",
+            "rank": 0,
+            "restart": 0,
+            "step": 4,
+            "mode": "async",
+            "seconds": 0.5,
+            "t": 7.5,
+        },
+        {"event": "ckpt.save.staged", "rank": 0, "restart": 0, "blocked_s": 0.1, "t": 11.0},
+        {
+            "event": "ckpt.save.committed",
+            "rank": 0,
+            "restart": 0,
+            "step": 8,
+            "mode": "async",
+            "seconds": 0.5,
+            "t": 11.5,
+        },
+        {"event": "runtime.init", "rank": 0, "restart": 1, "t": 14.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 1, "step": 8, "t": 15.0},
+        _progress(1, 8, 8, 15.0, 1.0),
+        _progress(1, 9, 19, 16.0, 1.0),
+        {"event": "runtime.done", "rank": 0, "restart": 1, "step": 20, "t": 27.0},
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    _write(
+        tmp_path,
+        "chaos.jsonl",
+        [{"event": "chaos.fault", "kind": "kill", "target_rank": 1, "pid": 1, "t": 12.5}],
+    )
+    return tmp_path
+
+
+def test_goodput_counts_only_steps_that_survive(run_dir: Path):
+    rep = analyze(run_dir)
+    assert rep.wall_s == pytest.approx(27.0)
+    # steps 0-7 of attempt 0 (8 s) survive; 8 and 9 were replayed; attempt 1 adds 12 s
+    assert rep.productive_s == pytest.approx(20.0)
+    assert rep.goodput == pytest.approx(20.0 / 27.0)
+    assert rep.final_step == 20 and rep.attempts == 2 and rep.saves == 2
+    assert rep.step_s == pytest.approx(1.0)
+    assert rep.save_cost_s == pytest.approx(0.1)
+
+
+def test_fault_times_and_steps_lost(run_dir: Path):
+    (f,) = analyze(run_dir).faults
+    assert f.kind == "kill" and f.exact_time
+    assert f.detect_s == pytest.approx(1.5)  # no detection event: the new attempt's start
+    assert f.restart_s == pytest.approx(2.5)
+    assert f.recover_s == pytest.approx(3.5)  # first step of attempt 1 ends at t=16
+    assert f.steps_lost == 2  # steps 8 and 9 ran twice
+
+
+def test_young_daly_optimum(run_dir: Path):
+    rep = analyze(run_dir, mtbf_s=100.0)
+    c, m, r = 0.1, 100.0, 2.5
+    x = c / (2 * m)
+    tau = math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
+    assert rep.optimal_interval_s == pytest.approx(tau)
+    assert rep.optimal_goodput == pytest.approx(1 - c / tau - (tau / 2 + r) / m)
+    text = format_report(rep)
+    assert "goodput" in text and "Young/Daly" in text and "kill" in text
+
+
+def test_timeline_png_is_written(run_dir: Path, tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    out = plot_timeline(run_dir, tmp_path / "timeline.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_logs_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="no events"):
+        analyze(tmp_path)
