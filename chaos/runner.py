@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +170,17 @@ def _inject(fault: Fault, sc: Scenario, out: Path, run: Run, attempt: int) -> In
     )
     assert victim is not None, "no runtime.init event for the victim"
     os.kill(int(victim["pid"]), signal.SIGKILL)
+    _record(run_dir, kind=fault.kind, target_rank=fault.rank, pid=int(victim["pid"]), **info)
     return Injected(
         kind=fault.kind, rank=fault.rank, pid=int(victim["pid"]), wall_time=time.time(), **info
     )
+
+
+def _record(run_dir: Path, **fields: Any) -> None:
+    """Append a chaos.fault event to the run's logs, where `resilient report` finds it."""
+    ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    with (run_dir / "logs" / "chaos.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "chaos.fault", "ts": ts, **fields}) + "\n")
 
 
 _ATTEMPT_MARK = "runtime.resume"
