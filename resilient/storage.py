@@ -16,6 +16,7 @@ import errno
 import io
 import os
 import posixpath
+import random
 import re
 import time
 import uuid
@@ -192,9 +193,7 @@ class RetryPolicy:
         stop = _Stop(self, start=start, deadline=deadline)
         retrying = tenacity.Retrying(
             stop=stop,
-            wait=tenacity.wait_exponential_jitter(
-                multiplier=self.initial_wait_s, max=self.max_wait_s, jitter=self.jitter_s
-            ),
+            wait=_Backoff(self),
             retry=tenacity.retry_if_exception(is_retryable),
             sleep=self.sleep,
             before_sleep=before_sleep,
@@ -213,6 +212,24 @@ class RetryPolicy:
                     f"{type(e).__name__}: {e}"
                 )
             ) from e
+
+
+class _Backoff(tenacity.wait.wait_base):
+    """Exponential backoff plus jitter drawn from a private RNG.
+
+    tenacity's own jitter draws from the global `random` module, which the training loop's
+    RNG state shares: a retry would then change what a resumed run draws and break exact
+    resume. A private generator keeps storage trouble out of the training RNG.
+    """
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.rng = random.Random()
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        p = self.policy
+        exp = p.initial_wait_s * 2 ** (retry_state.attempt_number - 1)
+        return min(p.max_wait_s, exp + self.rng.uniform(0, p.jitter_s))
 
 
 class _Stop(tenacity.stop.stop_base):
