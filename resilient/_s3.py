@@ -86,7 +86,7 @@ class S3Sink:
         )
         return str(out["UploadId"])
 
-    def part(self, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+    def part(self, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]:
         out = self._call(
             f"upload part {number} of {self._where}",
             lambda: self._fs.call_s3(

@@ -23,6 +23,11 @@ __all__ = ["BlockReader", "PartSink", "UploadStream"]
 
 MIN_PART = 5 << 20
 """S3's smallest part (every part but the last)."""
+MAX_PART = 5 << 30
+"""S3's largest part."""
+GROW_EVERY = 1000
+"""The part size doubles every this many parts: S3 allows 10,000 parts per object, and the
+size of a stream is not known in advance (8 MiB parts would stop at 78 GiB, this at ~8 TiB)."""
 
 
 class PartSink(Protocol):
@@ -33,7 +38,7 @@ class PartSink(Protocol):
 
     def put(self, data: bytes) -> None: ...
     def start(self) -> str: ...
-    def part(self, upload_id: str, number: int, data: bytes) -> dict[str, Any]: ...
+    def part(self, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]: ...
     def complete(self, upload_id: str, parts: list[dict[str, Any]]) -> None: ...
     def abort(self, upload_id: str) -> None: ...
 
@@ -90,13 +95,14 @@ class UploadStream:
             return n
         i = 0
         while i < n:
-            take = min(self._part_size - len(self._buf), n - i)
-            if not self._buf and take == self._part_size:
-                self._ship(bytes(mv[i : i + take]))  # a whole part straight from the caller
+            size = self._next_part_size()
+            take = min(size - len(self._buf), n - i)
+            if not self._buf and take == size:
+                self._ship(bytes(mv[i : i + take]))  # a whole part: one copy, off the caller's
             else:
                 self._buf += mv[i : i + take]
-                if len(self._buf) == self._part_size:
-                    self._ship(bytes(self._buf))
+                if len(self._buf) == size:
+                    self._ship(self._buf)  # handed over as is: the next part gets a new buffer
                     self._buf = bytearray()
             i += take
         return n
@@ -110,7 +116,7 @@ class UploadStream:
                 self._sink.put(bytes(self._buf))
             else:
                 if self._buf:
-                    self._ship(bytes(self._buf))
+                    self._ship(self._buf)
                 while self._inflight:
                     self._parts.append(self._inflight.popleft().result())
                 self._sink.complete(self._upload_id, self._parts)
@@ -143,7 +149,11 @@ class UploadStream:
                 )
 
     # internals ---------------------------------------------------------------------------
-    def _ship(self, data: bytes) -> None:
+    def _next_part_size(self) -> int:
+        shipped = len(self._parts) + len(self._inflight)
+        return min(MAX_PART, self._part_size << (shipped // GROW_EVERY))
+
+    def _ship(self, data: bytes | bytearray) -> None:
         if self._upload_id is None:
             self._upload_id = self._sink.start()
             self._pool = ThreadPoolExecutor(
@@ -225,7 +235,7 @@ class BlockReader(io.RawIOBase):
             data = futures[i].result()
             lo = max(self._pos, i * self._block) - i * self._block
             hi = min(self._pos + n, (i + 1) * self._block) - i * self._block
-            out[done : done + hi - lo] = data[lo:hi]
+            out[done : done + hi - lo] = memoryview(data)[lo:hi]
             done += hi - lo
         self._pos += n
         self._evict(keep=set(wanted))

@@ -37,7 +37,10 @@ __all__ = ["RetryPolicy", "Storage", "crc32_of", "is_retryable"]
 
 T = TypeVar("T")
 _CHUNK = 8 << 20
-_READ_BLOCK = 8 << 20
+_PART = 16 << 20
+"""Part size of uploads and block size of reads unless storage_options set
+`default_block_size` (s3fs's own default, 50 MiB, holds 500 MiB per file in flight and starts
+uploading late; 16 MiB measured as fast, see docs/benchmarks.md)."""
 # errno values worth retrying on a local or network filesystem; ENOSPC, EACCES, EROFS are not.
 # EBUSY and EREMOTEIO are what s3fs turns S3's 503 SlowDown and 500 InternalError into.
 _RETRYABLE_ERRNO = {
@@ -296,7 +299,7 @@ class _PipeSink:
     def start(self) -> str:
         raise NotImplementedError
 
-    def part(self, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+    def part(self, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]:
         raise NotImplementedError
 
     def complete(self, upload_id: str, parts: list[dict[str, Any]]) -> None:
@@ -311,8 +314,8 @@ class Storage:
 
     Remote options (endpoint, region, credentials) come from the usual places (AWS_* variables,
     ~/.aws/config and credentials, AWS_PROFILE) or from `storage_options`, which win. For S3,
-    `max_concurrency` (parts in flight per file, default 10) and `default_block_size` (the
-    part size, default 50 MiB) are s3fs's own options and tune uploads here too.
+    `max_concurrency` (parts in flight per file, default 10) and `default_block_size` (part
+    and read block size, default 16 MiB here) are s3fs's own options and tune transfers too.
     """
 
     def __init__(
@@ -347,8 +350,8 @@ class Storage:
         self.is_object_store = bool(_OBJECT_STORES & set(protocols))
         if self.is_local:
             self.root = os.path.abspath(self.root)
-        self.part_size = max(int(getattr(self.fs, "default_block_size", 0) or 0), 5 << 20)
-        self.concurrency = max(1, int(getattr(self.fs, "max_concurrency", 8) or 8))
+        self.part_size = max(int(options.get("default_block_size") or _PART), 5 << 20)
+        self.concurrency = max(1, int(getattr(self.fs, "max_concurrency", 10) or 10))
         self._deadline: float | None = None
 
     def __repr__(self) -> str:
@@ -456,7 +459,7 @@ class Storage:
 
         def run() -> None:
             try:
-                self.fs.copy(s, d)
+                self.fs.cp_file(s, d)  # one file: no glob expansion (two listings on S3)
             except FileNotFoundError:
                 if not self.fs.exists(d):
                     raise
@@ -529,7 +532,7 @@ class Storage:
         raw = BlockReader(
             fetch,
             size,
-            block_size=min(self.part_size, _READ_BLOCK),
+            block_size=self.part_size,
             concurrency=self.concurrency,
             name=self.url_of(rel),
         )

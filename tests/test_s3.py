@@ -22,6 +22,7 @@ from resilient import (
     CheckpointManager,
     StorageError,
     TrainState,
+    _transfer,
     state_digest,
 )
 from resilient.checkpoint.tiers import TieredCheckpointManager
@@ -665,3 +666,45 @@ def test_two_tiers_under_fsdp2_and_node_loss(s3: S3Env, torchrun: Any, tmp_path:
     assert not local.exists() or local_steps(local) == []
     tiers = read_events(tmp_path / "run" / "logs" / "rank0.jsonl", "ckpt.tier.loaded")
     assert [(e["step"], e["tier"]) for e in tiers] == [(4, "local"), (3, "remote")]
+
+
+class RecordingSink:
+    """Keeps what an UploadStream sends: the logic of parts, without a server."""
+
+    multipart = True
+
+    def __init__(self) -> None:
+        self.parts: dict[int, bytes] = {}
+        self.completed: list[int] | None = None
+
+    def put(self, data: bytes) -> None:
+        self.parts[1] = data
+        self.completed = [1]
+
+    def start(self) -> str:
+        return "upload-1"
+
+    def part(self, upload_id: str, number: int, data: bytes | bytearray) -> dict[str, Any]:
+        self.parts[number] = bytes(data)
+        return {"PartNumber": number, "ETag": f"e{number}"}
+
+    def complete(self, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        self.completed = [p["PartNumber"] for p in parts]
+
+    def abort(self, upload_id: str) -> None:
+        raise AssertionError("not aborted in this test")
+
+
+def test_upload_parts_grow_to_stay_within_s3s_part_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 takes at most 10,000 parts; a stream's size is unknown, so parts grow as it goes."""
+    monkeypatch.setattr(_transfer, "GROW_EVERY", 2)
+    sink = RecordingSink()
+    stream = _transfer.UploadStream(sink, part_size=_transfer.MIN_PART, concurrency=3, name="x")
+    data = bytes(range(256)) * (50 << 12)  # 50 MiB in writes of odd sizes
+    for i in range(0, len(data), 3_000_001):
+        stream.write(data[i : i + 3_000_001])
+    stream.close()
+    mib = [len(sink.parts[n]) >> 20 for n in sorted(sink.parts)]
+    assert mib == [5, 5, 10, 10, 20]  # the last part holds the rest
+    assert sink.completed == [1, 2, 3, 4, 5]
+    assert b"".join(sink.parts[n] for n in sorted(sink.parts)) == data
