@@ -394,6 +394,21 @@ class Storage:
     def exists(self, rel: str) -> bool:
         return self._call(f"exists {rel}", lambda: self.fs.exists(self.path(rel)))
 
+    def is_file(self, rel: str) -> bool:
+        """Whether file `rel` exists (one HEAD on S3; `exists` also looks for a directory)."""
+        if not self.is_s3:
+            return self._call(f"exists {rel}", lambda: self.fs.isfile(self.path(rel)))
+        bucket, key, _ = self.fs.split_path(self.path(rel))
+
+        def head() -> bool:
+            try:
+                self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call(f"exists {rel}", head)
+
     def list_dirs(self) -> list[str]:
         """Names of the directories directly under the root ([] when the root does not exist)."""
 
@@ -412,9 +427,21 @@ class Storage:
 
         return self._call("list", ls)
 
-    def list_sizes(self, rel: str) -> dict[str, int]:
-        """{file name: size} of the files directly inside directory `rel`, in one listing."""
-        entries = self._call(f"list {rel}", lambda: self.fs.ls(self.path(rel), detail=True))
+    def list_sizes(self, rel: str, *, missing_ok: bool = False) -> dict[str, int]:
+        """{file name: size} of the files directly inside directory `rel`, in one listing.
+
+        Raises FileNotFoundError when `rel` does not exist, unless `missing_ok` ({} then).
+        """
+
+        def ls() -> list[dict[str, Any]]:
+            try:
+                return list(self.fs.ls(self.path(rel), detail=True))
+            except FileNotFoundError:
+                if missing_ok:
+                    return []
+                raise
+
+        entries = self._call(f"list {rel}", ls)
         return {
             posixpath.basename(e["name"]): int(e.get("size") or 0)
             for e in entries
@@ -454,12 +481,22 @@ class Storage:
 
     def move(self, src: str, dst: str) -> None:
         """Move file `src` to `dst`. On object stores a copy then a delete: not atomic, so
-        nothing may rely on it for a commit. Safe to retry after a partial success."""
+        nothing may rely on it for a commit. Safe to retry after a partial success. On S3 a
+        single CopyObject: files up to 5 GB (DCP's .metadata is what moves)."""
         s, d = self.path(src), self.path(dst)
+
+        def copy() -> None:
+            if self.is_s3:  # one request; s3fs's cp_file asks for the size first
+                bucket, key, _ = self.fs.split_path(s)
+                dbucket, dkey, _ = self.fs.split_path(d)
+                source = {"Bucket": bucket, "Key": key}
+                self.fs.call_s3("copy_object", Bucket=dbucket, Key=dkey, CopySource=source)
+            else:
+                self.fs.cp_file(s, d)
 
         def run() -> None:
             try:
-                self.fs.cp_file(s, d)  # one file: no glob expansion (two listings on S3)
+                copy()
             except FileNotFoundError:
                 if not self.fs.exists(d):
                     raise
@@ -470,10 +507,10 @@ class Storage:
         self._call(f"move {src} -> {dst}", run)
 
     # ------------------------------------------------------------------ whole files
-    def checksum(self, rel: str) -> tuple[int, int]:
-        """(crc32, size) of a stored file, read back from storage."""
+    def checksum(self, rel: str, *, size: int | None = None) -> tuple[int, int]:
+        """(crc32, size) of a stored file, read back from storage (`size`: if known)."""
         if not self.is_local:
-            with self.open_read(rel) as f:
+            with self.open_read(rel, size=size) as f:
                 return crc32_of(f)
 
         def run() -> tuple[int, int]:

@@ -151,7 +151,7 @@ class _StorageFileSystem:
         self._storage.makedirs(os.fspath(path))
 
     def exists(self, path: str | os.PathLike[str]) -> bool:
-        return self._storage.exists(os.fspath(path))
+        return self._storage.is_file(os.fspath(path))  # DCP asks only about .metadata files
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         self._storage.remove_file(os.fspath(path))

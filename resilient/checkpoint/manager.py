@@ -321,11 +321,13 @@ class CheckpointManager:
         if parse_step_dir(rel) in self._rejected:
             self._log.warning("ckpt.save.replace_invalid", dir=rel)
             self.storage.remove_tree(rel)
-        elif self.storage.exists(f"{rel}/{MANIFEST_NAME}"):
-            return "exists"
-        if self.storage.exists(rel):  # a torn save of this step from an earlier attempt
-            self._log.warning("ckpt.save.clear_torn", dir=rel)
-            self.storage.remove_tree(rel)
+        else:
+            present = self.storage.list_sizes(rel, missing_ok=True)  # one request on S3
+            if MANIFEST_NAME in present:
+                return "exists"
+            if present:  # a torn save of this step from an earlier attempt
+                self._log.warning("ckpt.save.clear_torn", dir=rel)
+                self.storage.remove_tree(rel)
         self.storage.makedirs(rel)
         return "fresh"
 
@@ -337,9 +339,9 @@ class CheckpointManager:
                 if name.endswith(".tmp"):  # DCP writes .metadata.tmp, then renames it
                     continue
                 files[name] = FileEntry(size=size, crc32=crc)
-        crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}")
-        files[_DCP_METADATA] = FileEntry(size=size, crc32=crc)
         stored = self.storage.list_sizes(rel)  # one listing, not a request per file
+        crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}", size=stored.get(_DCP_METADATA))
+        files[_DCP_METADATA] = FileEntry(size=size, crc32=crc)
         for name, entry in files.items():  # what storage holds is what we hashed
             found = stored.get(name)
             if found != entry.size:
