@@ -14,7 +14,7 @@ from resilient.errors import (
     ResilientError,
     StorageError,
 )
-from resilient.runtime import Runtime, RuntimeConfig, init
+from resilient.runtime import ExitCode, Runtime, RuntimeConfig, WatchdogConfig, init
 
 __all__ = [
     "CheckpointConfig",
@@ -23,11 +23,13 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMismatchError",
     "ConfigError",
+    "ExitCode",
     "ResilientError",
     "Runtime",
     "RuntimeConfig",
     "StorageError",
     "TrainState",
+    "WatchdogConfig",
     "__version__",
     "init",
     "state_digest",

@@ -36,6 +36,10 @@ class DistContext:
     backend: str | None
     control_group: Any = None
     checkpoint_group: Any = None
+    store: Any = None
+    """The launcher's store under this attempt's prefix (heartbeats, verdicts)."""
+    base_store: Any = None
+    """The launcher's store without prefix: what must outlive a restart attempt."""
 
     @property
     def distributed(self) -> bool:
@@ -85,19 +89,21 @@ def init_distributed(
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=timeout_s)
-    if dist.is_initialized():  # the user made the group: use it, add our side groups
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    user_group = dist.is_initialized()
+    # when the user made the group, this is our own client connection to the launcher's store
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT", 0),
+        world_size=world,
+        is_master=(rank == 0 and not agent_store and not user_group),
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    prefixed = dist.PrefixStore(f"resilient/attempt_{restart}", store)
+    if user_group:  # use it, add our side groups
         backend = str(dist.get_backend())
     else:
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            _env_int("MASTER_PORT", 0),
-            world_size=world,
-            is_master=(rank == 0 and not agent_store),
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        prefixed = dist.PrefixStore(f"resilient/attempt_{restart}", store)
         dist.init_process_group(
             backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
         )
@@ -114,6 +120,8 @@ def init_distributed(
         backend=backend,
         control_group=control,
         checkpoint_group=ckpt,
+        store=prefixed,
+        base_store=store,
     )
 
 

@@ -10,7 +10,8 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +24,9 @@ from resilient.checkpoint.state import StatefulLike
 from resilient.errors import ConfigError
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
+from resilient.runtime.guard import Guard, MicroBatch
+from resilient.runtime.heartbeat import Phase, WatchdogConfig
+from resilient.runtime.watchdog import Watchdog
 
 __all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
 
@@ -55,6 +59,9 @@ class RuntimeConfig:
     """Collective timeout of the control and checkpoint groups."""
     console_level: str = "INFO"
     """Lowest level shown on the console; the JSON log keeps everything."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig.from_env)
+    """Hang detection, heartbeats, barrier and OOM-guard settings; init() also takes a dict
+    of its fields. Default: WatchdogConfig defaults with $RESILIENT_WATCHDOG overrides."""
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:
@@ -96,6 +103,8 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
         else (os.environ.get(ENV_CHECKPOINT_DIR) or "checkpoints")
     )
     ckpt = CheckpointConfig(url=url, **{k: v for k, v in options.items() if k in _CKPT_FIELDS})
+    if isinstance(options.get("watchdog"), dict):
+        options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
     cfg = RuntimeConfig(
         checkpoint=ckpt, **{k: v for k, v in options.items() if k in _RUNTIME_FIELDS}
     )
@@ -142,6 +151,11 @@ class Runtime:
         self._resumed = False
         self._last_save_time = time.monotonic()
         self._hooks: list[Any] = []
+        # resilient watchdog + guard: heartbeats, hang monitor, OOM/exception agreement
+        self.watchdog = Watchdog(config.watchdog, self.ctx, self.run_dir)
+        self.watchdog.start()
+        self.guards = Guard(self.watchdog, self.ctx, self.run_dir)
+        self.guards.resume_split()
         self.log.info(
             "runtime.init",
             world_size=self.ctx.world_size,
@@ -197,6 +211,7 @@ class Runtime:
             per_rank["loader"] = self._batches
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
         self._install_fences(model, optimizer)
+        self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
 
     def _install_fences(self, model: nn.Module | None, optimizer: Any) -> None:
         # An async save copies tensors in the background; nothing may change them until the
@@ -215,7 +230,7 @@ class Runtime:
         """Endless iterator over the tracked loader, across epochs, resuming mid-epoch."""
         if self._batches is None:
             raise RuntimeError("batches() needs track(loader=...) first")
-        return self._batches
+        return _DataPhase(self._batches, self.watchdog)
 
     # ------------------------------------------------------------------ the loop
     def resume(self) -> int:
@@ -226,7 +241,8 @@ class Runtime:
         """
         if not self._resumed:
             self.checkpoints.check_writable()
-            loaded = self.checkpoints.load_latest(self.state)
+            with self.watchdog.phase(Phase.CHECKPOINT):
+                loaded = self.checkpoints.load_latest(self.state)
             self.step = loaded or 0
             self._resumed = True
             self._last_save_time = time.monotonic()
@@ -249,13 +265,16 @@ class Runtime:
         start = self.resume()
         try:
             for step in range(start, end):
+                self.watchdog.step_begin(step)
                 yield step
                 self.step = step + 1
+                self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
                 if self.step < end and self._should_save():
                     self.save()
             if self.config.save_at_end and end > start:
                 self.save(blocking=True)
         finally:
+            self.watchdog.progress.enter(Phase.FINISH)
             self.checkpoints.wait()
         self.log.info("runtime.done", step=self.step, total=total)
 
@@ -274,18 +293,53 @@ class Runtime:
     def save(self, *, blocking: bool | None = None) -> None:
         """Checkpoint the tracked state at the current step (async unless configured)."""
         self._last_save_time = time.monotonic()
-        self.checkpoints.save(self.state, self.step, blocking=blocking)
+        with self.watchdog.phase(Phase.CHECKPOINT):
+            self.checkpoints.save(self.state, self.step, blocking=blocking)
 
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""
-        self.checkpoints.close()
+        with self.watchdog.phase(Phase.FINISH):
+            self.checkpoints.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.watchdog.stop(barrier=True)
         shutdown_distributed(self.ctx)
+
+    # ------------------------------------------------------------------ guards and phases
+    def guard(self) -> AbstractContextManager[None]:
+        """Any exception in the block takes every rank down together with one exit code
+        (ExitCode.OOM, RANK_EXCEPTION or PEER_LOST) instead of leaving peers hanging."""
+        return self.guards.guard()
+
+    def micro_batches(
+        self, *tensors: torch.Tensor, model: nn.Module | None = None, split: int | None = None
+    ) -> Iterator[MicroBatch]:
+        """Split a batch into micro-batches; with DDP an OOM on any rank retries the same
+        batch in smaller ones on every rank (see resilient.runtime.guard)."""
+        return self.guards.micro_batches(*tensors, model=model, split=split)
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Run a block in phase `name` (e.g. "eval", "checkpoint") and its hang timeout."""
+        return self.watchdog.phase(name)
 
     def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _DataPhase:
+    """The loader's iterator, in phase `data` while it fetches a batch."""
+
+    def __init__(self, batches: ResumableBatches, watchdog: Watchdog) -> None:
+        self._batches = batches
+        self._progress = watchdog.progress
+
+    def __iter__(self) -> _DataPhase:
+        return self
+
+    def __next__(self) -> Any:
+        self._progress.enter(Phase.DATA)
+        return next(self._batches)

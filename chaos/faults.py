@@ -1,0 +1,187 @@
+"""In-process fault injection at a chosen (rank, step, phase), from outside resilient.
+
+A fault spec is `KIND@key=value,...`:
+
+    oom@rank=1,step=5,phase=forward          raise torch.OutOfMemoryError
+    raise@rank=2,step=3,phase=backward       raise RuntimeError
+    hang@rank=1,step=4,phase=forward         sleep forever in the main thread
+    stop@rank=1,step=4                       SIGSTOP itself (it cannot dump its own stacks)
+    kill@rank=0,step=6,phase=optimizer       SIGKILL itself
+    slow@rank=2,phase=forward,seconds=0.2    sleep that long every step (a straggler)
+
+Keys: rank (default: every rank), step (default: every step), phase (default: step; any
+resilient phase name), times (how often it fires; default 1, `slow` unlimited), skip (let
+this many matches pass first, e.g. skip=1 with phase=backward hits the second entry of a
+step, after the guard's agreement), restart (the TORCHELASTIC_RESTART_COUNT it fires in;
+default 0 so a restarted group runs clean; `any` for every attempt), seconds (for slow and
+hang). Each firing prints one `chaos.fault {json}` line to stderr (kind, rank, step, phase,
+wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as the chaos
+runner does for the faults it sends from outside, so `resilient report` sees both.
+
+`install()` wraps `resilient.runtime.heartbeat.Progress.enter`, the one method every phase
+change goes through, so a fault fires right when a rank enters the phase: production code
+holds no test hook. The exception propagates from there exactly as if the model had raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+__all__ = ["KINDS", "Fault", "install", "parse", "uninstall"]
+
+KINDS = {
+    "oom": "raise torch.OutOfMemoryError",
+    "raise": "raise RuntimeError",
+    "hang": "sleep in the main thread (forever, or `seconds`)",
+    "stop": "SIGSTOP this process",
+    "kill": "SIGKILL this process",
+    "slow": "sleep `seconds` (default 0.1) each time",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    phase: str = "step"
+    times: int | None = 1
+    """How many times it fires; None: every time it matches."""
+    restart: int | None = 0
+    """The restart attempt it fires in; None: every attempt."""
+    seconds: float | None = None
+    skip: int = 0
+    """Matches to let pass before firing."""
+    fired: int = field(default=0, compare=False)
+    seen: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(KINDS)}")
+        from resilient.runtime.heartbeat import Phase
+
+        Phase.parse(self.phase)  # raises on an unknown phase name
+
+    def matches(self, rank: int, restart: int, step: int, phase: str) -> bool:
+        hit = (
+            (self.rank is None or self.rank == rank)
+            and (self.restart is None or self.restart == restart)
+            and (self.step is None or self.step == step)
+            and self.phase == phase
+            and (self.times is None or self.fired < self.times)
+        )
+        if hit:
+            self.seen += 1
+        return hit and self.seen > self.skip
+
+    def fire(self, rank: int, step: int, phase: str) -> None:
+        self.fired += 1
+        where = f"rank {rank}, step {step}, phase {phase}"
+        _record(self.kind, rank, step, phase)
+        if self.kind == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"CUDA out of memory (chaos: injected at {where})")
+        if self.kind == "raise":
+            raise RuntimeError(f"chaos: injected failure at {where}")
+        if self.kind == "slow":
+            time.sleep(0.1 if self.seconds is None else self.seconds)
+        elif self.kind == "hang":
+            deadline = time.monotonic() + (self.seconds if self.seconds is not None else 1e9)
+            while time.monotonic() < deadline:  # time.sleep releases the GIL: heartbeats go on
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        elif self.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _record(kind: str, rank: int, step: int, phase: str) -> None:
+    """One `chaos.fault {json}` line on stderr, and the same event in <run_dir>/logs/
+    chaos.jsonl (where `resilient report` reads fault times) once the run logs there."""
+    now = time.time()
+    record = {"kind": kind, "rank": rank, "step": step, "phase": phase, "time": now}
+    print(f"chaos.fault {json.dumps(record)}", file=sys.stderr)
+    sys.stderr.flush()
+    from resilient import log
+
+    rank_log = getattr(log, "_configured_file", None)  # the rank's JSON log, when configured
+    if rank_log is None:
+        return
+    ts = datetime.fromtimestamp(now, timezone.utc).isoformat().replace("+00:00", "Z")
+    event = {"event": "chaos.fault", "ts": ts, "target_rank": rank, "in_process": True}
+    line = json.dumps({**event, **record}) + "\n"
+    path = os.path.join(os.path.dirname(rank_log.name), "chaos.jsonl")
+    with contextlib.suppress(OSError):  # O_APPEND: ranks may write at the same moment
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def parse(spec: str) -> Fault:
+    """`KIND@key=value,...` -> Fault (see the module docstring). ValueError on a bad spec."""
+    kind, _, rest = spec.strip().partition("@")
+    fields: dict[str, Any] = {"kind": kind.strip().lower()}
+    if fields["kind"] == "slow":
+        fields["times"] = None
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"fault spec {spec!r}: {item!r} is not key=value")
+        key, value = key.strip(), value.strip()
+        if key in ("rank", "step", "times", "restart", "skip"):
+            fields[key] = None if value in ("any", "*") else int(value)
+        elif key == "seconds":
+            fields[key] = float(value)
+        elif key == "phase":
+            fields[key] = value.lower()
+        else:
+            raise ValueError(f"fault spec {spec!r}: unknown key {key!r}")
+    return Fault(**fields)
+
+
+_installed: list[Fault] = []
+_original: Any = None
+
+
+def install(faults: list[Fault]) -> None:
+    """Arm `faults` in this process (before the training script creates its Runtime)."""
+    global _original
+    from resilient.runtime.heartbeat import Progress
+
+    _installed[:] = faults
+    if _original is not None:
+        return
+    _original = Progress.enter
+    rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    original = _original
+
+    def enter(self: Any, phase: Any) -> None:
+        original(self, phase)
+        name = phase.name.lower()
+        for f in _installed:
+            if f.matches(rank, restart, self.step, name):
+                f.fire(rank, self.step, name)
+
+    Progress.enter = enter  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    global _original
+    from resilient.runtime.heartbeat import Progress
+
+    if _original is not None:
+        Progress.enter = _original  # type: ignore[method-assign]
+        _original = None
+    _installed.clear()

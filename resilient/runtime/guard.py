@@ -1,0 +1,421 @@
+"""The OOM/exception guard: one rank's failure becomes one action that every rank agrees on.
+
+Two forms, for the body of a training step:
+
+    with rt.guard():                                   # any exception: the group exits together
+        _, loss = model(x, y)
+        loss.backward()
+
+    for mb in rt.micro_batches(x, y, model=model):     # DDP: an OOM retries the same batch
+        with mb:                                       # in smaller micro-batches
+            _, loss = model(*mb.inputs)
+            mb.backward(loss)
+    optimizer.step()
+
+Why this never deadlocks. A rank that raises must not wait where its peers cannot come:
+- `rt.guard()`, and FSDP or any model that may hold collectives inside its forward: the
+  failing rank publishes a verdict through the store; every rank's watchdog thread, which
+  never joins a collective, carries it out (os._exit) within one heartbeat interval, also on
+  ranks blocked in a collective. No collective is needed to agree.
+- `micro_batches` with DDP: DDP's forward holds no collective once the first micro-batch
+  started (its buffer broadcast comes first; micro-batches but the last run under no_sync),
+  and no_sync backwards hold none. The only gradient all-reduce is the last micro-batch's
+  backward, and `mb.backward` agrees *before* it: an all_reduce(MAX) of a status code on the
+  control group, where a failing rank arrives from its `with mb:` exit and healthy ranks
+  arrive from `mb.backward`, exactly one agreement per attempt on every rank. All OK: the
+  synced backward runs. An OOM: every rank restores the RNG and gradients and retries the
+  same batch in twice as many micro-batches. Anything else, or the floor reached: every rank
+  exits with the same code. A failure *after* the agreement (inside the synced backward)
+  takes the store path above, since peers may be blocked in the all-reduce.
+- If a user's body holds a collective of its own after the failure point, the agreement
+  cannot complete; the failing rank is flagged in its heartbeat, stalls in phase `agree`,
+  and the hang monitor takes the group down with the OOM/exception code at its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from resilient.errors import ConfigError
+from resilient.log import get_logger
+from resilient.runtime.dist import DistContext
+from resilient.runtime.exitcodes import ExitCode
+from resilient.runtime.heartbeat import FLAG_FAILED, FLAG_OOM, Phase
+from resilient.runtime.watchdog import Watchdog, exit_now
+
+__all__ = ["Guard", "MicroBatch"]
+
+_OK, _OOM, _EXC = 0, 1, 2
+_LOW = 0xFFFFFFFF
+_SPLIT_KEY = "resilient/guard/split"
+SPLIT_FILE = "micro_batch_split.json"
+"""Written to the run directory when the split grows, read by the next attempt."""
+
+# A failing collective after a peer died or hung: not this rank's fault. The monitor names
+# the culprit; this rank only waits for its verdict.
+_PEER_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "gloo/transport",
+    "failed to recv",
+)
+
+
+class _Retry(Exception):
+    """Raised in the last micro-batch of healthy ranks when the group agreed to retry."""
+
+
+def _classify(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom"
+    msg = str(exc)
+    if isinstance(exc, dist.DistError) or any(m in msg for m in _PEER_MARKERS):
+        return "peer"
+    return "exception"
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+
+
+class Guard:
+    """Created by the Runtime; reached through `rt.guard()` and `rt.micro_batches()`."""
+
+    def __init__(self, watchdog: Watchdog, ctx: DistContext, run_dir: str) -> None:
+        self.watchdog = watchdog
+        self.ctx = ctx
+        self.config = watchdog.config
+        self.split = 1
+        """Micro-batches per batch; grows on OOM and stays grown (also across restarts)."""
+        self._path = Path(run_dir) / SPLIT_FILE
+        self._log = get_logger()
+
+    # ------------------------------------------------------------------ carried split
+    def resume_split(self) -> int:
+        """Adopt the split an earlier attempt carried over (max over ranks: a collective)."""
+        split = 1
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            split = max(split, int(json.loads(self._path.read_text())["split"]))
+        store = self.ctx.base_store
+        if store is not None and store.check([_SPLIT_KEY]):
+            split = max(split, int(store.get(_SPLIT_KEY)))
+        if self.ctx.distributed:
+            t = torch.tensor([split], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+            split = int(t.item())
+        self.split = split
+        if split > 1:
+            self._log.info("guard.split", split=split, source="carried from an earlier attempt")
+        return split
+
+    def _carry(self, split: int, **why: Any) -> None:
+        """Make `split` the starting point of later attempts (store: all nodes; file: record)."""
+        record = {"split": split, "step": self.watchdog.progress.step, **why}
+        store = self.ctx.base_store
+        with contextlib.suppress(dist.DistError, RuntimeError):
+            if store is not None:
+                store.set(_SPLIT_KEY, str(split))
+        if self.ctx.local_rank == 0 or why.get("rank") == self.ctx.rank:
+            tmp = self._path.with_name(f".{SPLIT_FILE}.{self.ctx.rank}.tmp")
+            with contextlib.suppress(OSError):
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, self._path)
+
+    # ------------------------------------------------------------------ the guards
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Any exception in the block takes the whole group down with one agreed exit code
+        (OOM or RANK_EXCEPTION; PEER_LOST when the error came from a lost peer)."""
+        try:
+            yield
+        except Exception as e:
+            self.fail_fast(e)
+
+    def fail_fast(self, exc: BaseException) -> NoReturn:
+        """Log `exc`, publish a verdict naming this rank and exit with every other rank."""
+        wd = self.watchdog
+        if wd.verdict_pending():
+            wd.wait_for_verdict(1.0)
+        kind = _classify(exc)
+        step, phase = wd.progress.step, wd.progress.phase.name.lower()
+        if kind == "peer":
+            self._log.warning("guard.peer_error", step=step, phase=phase, error=_short(exc))
+            cfg = self.config
+            wd.wait_for_verdict(cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1)
+            wd.abort(
+                kind="peer_lost",
+                code=ExitCode.PEER_LOST,
+                ranks=[],
+                reason=f"rank {self.ctx.rank} at step {step} ({phase}): {_short(exc)}",
+                expect_acks=self.ctx.world_size - 1,
+            )
+        oom = kind == "oom"
+        self._log.error(
+            "guard.failure", kind=kind, step=step, phase=phase, error=_short(exc), exc_info=exc
+        )
+        if oom:
+            self._carry(self.split * 2, reason="oom", rank=self.ctx.rank)
+        wd.report_failure(oom=oom)
+        wd.abort(
+            kind="failure",
+            code=ExitCode.OOM if oom else ExitCode.RANK_EXCEPTION,
+            ranks=[self.ctx.rank],
+            reason=f"{_short(exc)} on rank {self.ctx.rank} at step {step} ({phase})",
+        )
+
+    def micro_batches(
+        self, *tensors: torch.Tensor, model: nn.Module | None = None, split: int | None = None
+    ) -> Iterator[MicroBatch]:
+        """Split `tensors` (one batch, along dim 0) into micro-batches, retrying on OOM.
+
+        Enter each yielded MicroBatch with `with` and call `mb.backward(loss)` with the
+        micro-batch's mean loss (it is scaled by the micro-batch's share of the batch, so the
+        gradients match the whole batch's). With a DDP `model` an OOM on any rank makes every
+        rank retry the same batch in twice as many micro-batches, down to
+        `min_micro_batch_size` samples, then exit with ExitCode.OOM; the RNG and gradients
+        are restored first, so the result is the one a run with the smaller split would
+        have produced. Without DDP (FSDP, or no model), any failure exits the group and the
+        larger split is carried to the next attempt. `split`: the least number of
+        micro-batches. Gradients must be zero or None when the step starts.
+        """
+        if not tensors:
+            raise ConfigError("micro_batches() needs at least one tensor (the batch)")
+        n = len(tensors[0])
+        if n < 1 or any(len(t) != n for t in tensors):
+            raise ConfigError(
+                f"micro_batches(): every tensor needs the same, non-zero size along dim 0; "
+                f"got {[len(t) for t in tensors]}"
+            )
+        if split is not None:
+            if split < 1:
+                raise ConfigError(f"split must be >= 1, got {split}")
+            self.split = max(self.split, split)
+        in_place = self.ctx.world_size == 1 or isinstance(model, DistributedDataParallel)
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        while True:
+            k = max(1, min(self.split, n))
+            chunks = [t.tensor_split(k) for t in tensors]
+            grads_none = all(p.grad is None for p in params)
+            rng = _rng_state()
+            att = _Attempt(self, k, n, model, in_place)
+            for i in range(k):
+                part = tuple(c[i] for c in chunks)
+                yield MicroBatch(att, i, part, len(part[0]) / n)
+                if att.agreed:  # the last micro-batch, or this rank failed and agreed early
+                    break
+            if not att.agreed:  # the body never called mb.backward: agree here
+                att.agree(_OK)
+            if att.outcome == _OK:
+                return
+            _set_rng_state(rng)
+            for p in params:
+                if grads_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            if isinstance(model, DistributedDataParallel):
+                # Healthy ranks ran the last micro-batch's synced forward, which armed DDP's
+                # reducer for a backward that never came; the failing rank's did not. Disarm
+                # it on every rank alike (DDP's own _update_process_group does the same), or
+                # the next no_sync backward would all-reduce on some ranks only.
+                model.reducer._reset_state()
+                model._has_rebuilt_buckets = False
+                model.require_forward_param_sync = True  # as after any step's synced forward
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            self.watchdog.progress.flags &= ~(FLAG_FAILED | FLAG_OOM)
+            self.split = 2 * k
+            fields = {
+                "step": self.watchdog.progress.step,
+                "failed_rank": att.failed_rank,
+                "split_from": k,
+                "split_to": self.split,
+                "micro_batch_size": math.ceil(n / self.split),
+            }
+            if self.ctx.rank == 0:
+                self._log.warning("oom.retry", **fields)
+            else:
+                self._log.info("oom.retry", **fields)
+            self._carry(self.split, reason="oom", rank=att.failed_rank)
+
+
+class MicroBatch:
+    """One slice of the batch. `inputs` holds the slices of the tensors given, in order."""
+
+    __slots__ = ("_att", "index", "inputs", "weight")
+
+    def __init__(self, att: _Attempt, index: int, inputs: tuple[Any, ...], weight: float) -> None:
+        self._att = att
+        self.index = index
+        self.inputs = inputs
+        self.weight = weight
+        """This micro-batch's share of the batch (its samples / the batch's samples)."""
+
+    @property
+    def count(self) -> int:
+        """Micro-batches in this attempt."""
+        return self._att.k
+
+    @property
+    def last(self) -> bool:
+        return self.index == self._att.k - 1
+
+    def __enter__(self) -> MicroBatch:
+        self._att.enter_sync(self.last)
+        return self
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` scaled by `weight`; the last micro-batch first agrees with the
+        other ranks (a control-group all-reduce) and then runs the gradient sync."""
+        att = self._att
+        scaled = loss if att.k == 1 else loss * self.weight
+        if not self.last:
+            scaled.backward()
+            return
+        att.agree(_OK)
+        if att.outcome != _OK:
+            raise _Retry
+        att.guard.watchdog.progress.enter(Phase.BACKWARD)
+        scaled.backward()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self._att.exit_sync()
+        if exc is None:
+            return False
+        if isinstance(exc, _Retry):
+            return True
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: not ours to judge
+        self._att.failed(exc, self.index)
+        return True
+
+
+class _Attempt:
+    """One pass over the micro-batches of a batch; agrees exactly once."""
+
+    def __init__(
+        self, guard: Guard, k: int, n: int, model: nn.Module | None, in_place: bool
+    ) -> None:
+        self.guard = guard
+        self.k = k
+        self.n = n
+        self.model = model
+        self.in_place = in_place
+        self.agreed = False
+        self.outcome: int | None = None
+        self.failed_rank = -1
+        self._sync: Any = None
+
+    def enter_sync(self, last: bool) -> None:
+        if self.k == 1 or self.model is None:
+            return
+        if isinstance(self.model, DistributedDataParallel):
+            if not last:  # DDP decides in forward whether the backward syncs
+                self._sync = self.model.no_sync()
+                self._sync.__enter__()
+        else:
+            set_sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2
+            if set_sync is not None:
+                set_sync(last)
+
+    def exit_sync(self) -> None:
+        if self._sync is not None:
+            sync, self._sync = self._sync, None
+            sync.__exit__(None, None, None)
+
+    def failed(self, exc: Exception, index: int) -> None:
+        """This rank raised inside a micro-batch: agree on the action, or take the store path."""
+        g = self.guard
+        kind = _classify(exc)
+        if kind == "peer" or not self.in_place or self.agreed:
+            g.fail_fast(exc)
+        wd = g.watchdog
+        oom = kind == "oom"
+        g._log.error(
+            "guard.failure",
+            kind=kind,
+            step=wd.progress.step,
+            phase=wd.progress.phase.name.lower(),
+            micro_batch=index,
+            micro_batches=self.k,
+            error=_short(exc),
+            exc_info=exc,
+        )
+        wd.report_failure(oom=oom)
+        self.agree(_OOM if oom else _EXC)
+
+    def agree(self, status: int) -> None:
+        """The one agreement of this attempt; exits the process when the group must stop."""
+        g = self.guard
+        rank = g.ctx.rank
+        self.agreed = True
+        floor = g.config.min_micro_batch_size
+        cannot_halve = int(self.n // (2 * self.k) < floor or 2 * self.k > self.n)
+        mine = (status << 32) | (_LOW - rank) if status != _OK else 0
+        if not self.in_place:  # failures there take the store path: nothing to agree on
+            self.outcome = _OK
+            return
+        if g.ctx.distributed:
+            t = torch.tensor([mine, cannot_halve], dtype=torch.int64)
+            # what follows sets its own phase: backward, a retry's forward, or the exit
+            g.watchdog.progress.enter(Phase.AGREE)
+            try:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.ctx.control_group)
+            except RuntimeError as e:
+                g.fail_fast(e)
+            top, cannot_halve = int(t[0]), int(t[1])
+        else:
+            top = mine
+        worst = top >> 32
+        self.failed_rank = _LOW - (top & _LOW) if worst != _OK else -1
+        if worst == _OK:
+            self.outcome = _OK
+            return
+        if worst == _OOM and self.in_place and not cannot_halve:
+            self.outcome = _OOM
+            return
+        code = ExitCode.OOM if worst == _OOM else ExitCode.RANK_EXCEPTION
+        step = g.watchdog.progress.step
+        if rank == 0:
+            g._log.error(
+                "guard.agreed",
+                action="exit",
+                failed_rank=self.failed_rank,
+                cause="oom" if worst == _OOM else "exception",
+                step=step,
+                split=self.k,
+                floor_reached=bool(cannot_halve) if worst == _OOM else None,
+                exit_code=int(code),
+            )
+        if worst == _OOM:
+            g._carry(self.k, reason="oom at the micro-batch floor", rank=self.failed_rank)
+        exit_now(code, kind="guard", ranks=[self.failed_rank], step=step)
+
+
+def _rng_state() -> tuple[torch.Tensor, Any]:
+    cuda = (
+        torch.cuda.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None
+    )
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, Any]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])

@@ -1,0 +1,219 @@
+"""Hang and dead-peer detection with real ranks: 3 gloo processes, one of them in trouble.
+
+Each rank is a plain process (chaos.ranks), so every rank's own exit code is visible;
+torchrun would tear the group down itself after the first exit. The faults come from
+chaos.inject at a chosen (rank, step, phase). Timeouts are seconds, so each run ends a few
+seconds after the fault. Every test asserts that the right rank is named, that every rank
+left with the documented exit code, and that no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.procs import REPO, Run, events, latest_event
+from chaos.ranks import Ranks
+from resilient.runtime.exitcodes import ExitCode
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+WATCHDOG = {
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_timeout_s": 2.0,
+    "timeout_s": 2.0,
+    "startup_timeout_s": 30.0,
+    "checkpoint_timeout_s": 30.0,
+}
+WORKER = "tests/workers/guarded_train.py"
+PACE = "slow@phase=step,seconds=0.05"  # every rank: ~0.1 s a step, so heartbeats show steps
+WAIT_S = 90  # process start and torch import dominate; a hang would take the full 1,800 s
+
+
+def launch(
+    out: Path, faults: list[str], *args: str, watchdog: dict[str, Any] | None = None
+) -> tuple[list[int], Ranks]:
+    """Run the worker on 3 ranks with `faults`; returns (exit codes, the finished Ranks)."""
+    argv = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--", WORKER]
+    argv += ["--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run"), *args]
+    env = {"RESILIENT_WATCHDOG": json.dumps({**WATCHDOG, **(watchdog or {})})}
+    ranks = Ranks(3, argv, log_dir=out / "out", env=env)
+    try:
+        codes = ranks.wait(WAIT_S)
+        assert_no_process_left(ranks, out / "run")
+    finally:
+        ranks.kill()  # SIGCONT + SIGKILL whatever is left, a stopped rank included
+    return codes, ranks
+
+
+def assert_no_process_left(ranks: Ranks, run_dir: Path) -> None:
+    pids = [e["pid"] for e in events(run_dir) if e.get("event") == "runtime.init"] + ranks.pids
+    alive = [pid for pid in set(pids) if _alive(pid)]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def fault_time(ranks: Ranks, rank: int) -> float:
+    for line in ranks.output(rank).splitlines():
+        if line.startswith("chaos.fault "):
+            return float(json.loads(line.split(" ", 1)[1])["time"])
+    raise AssertionError(f"rank {rank} never fired its fault:\n{ranks.output(rank)[-3000:]}")
+
+
+def event_time(event: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()
+
+
+def only_event(run_dir: Path, name: str) -> dict[str, Any]:
+    found = [e for e in events(run_dir) if e.get("event") == name]
+    assert len(found) == 1, f"expected one {name} event, got {found}"
+    return found[0]
+
+
+def exit_events(run_dir: Path) -> dict[int, int]:
+    return {e["rank"]: e["code"] for e in events(run_dir) if e.get("event") == "watchdog.exit"}
+
+
+def pid_of(run_dir: Path, rank: int) -> int:
+    init = latest_event(run_dir, "runtime.init", rank=rank)
+    assert init is not None
+    return int(init["pid"])
+
+
+def test_sleeping_rank_is_named_dumped_and_everyone_exits(tmp_path: Path) -> None:
+    codes, ranks = launch(tmp_path, [PACE, "hang@rank=1,step=6,phase=forward"], "--steps", "20")
+    run = tmp_path / "run"
+    assert codes == [ExitCode.HANG] * 3, codes
+    hang = only_event(run, "hang.detected")
+    assert hang["rank"] == 0 and hang["kind"] == "stalled" and hang["ranks"] == [1]
+    (named,) = hang["named"]
+    assert (named["step"], named["phase"]) == (6, "forward")
+    assert named["pid"] == pid_of(run, 1) and named["host"]
+    assert exit_events(run) == {0: ExitCode.HANG, 1: ExitCode.HANG, 2: ExitCode.HANG}
+    # the sleeper's own stacks, written by its watchdog thread before it exited
+    stacks = (run / "stacks" / "rank1.txt").read_text()
+    assert named["stacks"] == str(run / "stacks" / "rank1.txt")
+    assert "step 6 phase forward" in stacks and "chaos/faults.py" in stacks
+    assert "in fire" in stacks  # the main thread, caught sleeping
+    # timeout 2 s + one 0.25 s interval; 2 s of slack for a loaded 2-core machine
+    latency = event_time(hang) - fault_time(ranks, 1)
+    assert latency < WATCHDOG["timeout_s"] + 1 + 2, latency
+
+
+def test_stopped_rank_is_reported_by_peers_and_killed(tmp_path: Path) -> None:
+    codes, ranks = launch(tmp_path, [PACE, "stop@rank=1,step=6,phase=forward"], "--steps", "20")
+    run = tmp_path / "run"
+    assert codes[0] == codes[2] == ExitCode.HANG and codes[1] == -9, codes
+    hang = only_event(run, "hang.detected")
+    assert hang["kind"] == "no_heartbeat" and hang["ranks"] == [1]
+    (named,) = hang["named"]
+    assert named["state"] == "stopped" and named["pid"] == pid_of(run, 1)
+    assert "SIGSTOP" in named["stacks"] and "cannot" in named["stacks"]
+    assert 0 <= named["step"] <= 6  # what its peers last heard from it
+    killed = latest_event(run, "watchdog.killed", rank=0)
+    assert killed is not None and killed["pid"] == named["pid"]
+    latency = event_time(hang) - fault_time(ranks, 1)
+    assert latency < WATCHDOG["heartbeat_timeout_s"] + 1 + 2, latency
+
+
+def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    codes, ranks = launch(tmp_path, [PACE, "kill@rank=1,step=6,phase=forward"], "--steps", "20")
+    run = tmp_path / "run"
+    assert codes == [ExitCode.PEER_LOST, -9, ExitCode.PEER_LOST], codes
+    fault = only_event(run, "fault.detected")
+    assert fault["kind"] == "no_heartbeat" and fault["ranks"] == [1]
+    assert fault["named"][0]["state"] == "dead"
+    assert "gone" in fault["named"][0]["stacks"]
+    exits = [e for e in events(run) if e.get("event") == "watchdog.exit"]
+    assert {e["rank"] for e in exits} == {0, 2}
+    latest = max(event_time(e) for e in exits)
+    assert latest - fault_time(ranks, 1) < WATCHDOG["heartbeat_timeout_s"] + 1 + 2
+
+
+def test_rank_stuck_in_a_long_phase_is_named_by_the_monitored_barrier(tmp_path: Path) -> None:
+    """Rank 1 sits in `eval`, whose own timeout is long, so the heartbeat monitor waits;
+    its peers reach the barrier, which names it after barrier_timeout_s."""
+    codes, _ = launch(
+        tmp_path,
+        ["hang@rank=1,step=3,phase=eval"],
+        "--eval",
+        watchdog={
+            "barrier_every_steps": 2,
+            "barrier_timeout_s": 3,
+            "phase_timeouts_s": {"eval": 60},
+        },
+    )
+    run = tmp_path / "run"
+    assert codes == [ExitCode.HANG] * 3, codes
+    hang = only_event(run, "hang.detected")
+    assert hang["kind"] == "barrier" and hang["ranks"] == [1] and hang["rank"] == 0
+    assert "failed to pass monitoredBarrier" in hang["reason"]
+    assert hang["named"][0]["phase"] == "eval"
+    assert "phase eval" in (run / "stacks" / "rank1.txt").read_text()
+
+
+def test_straggler_is_reported_and_training_goes_on(tmp_path: Path) -> None:
+    codes, _ = launch(
+        tmp_path,
+        ["slow@rank=2,phase=forward,seconds=0.15"],
+        "--steps",
+        "24",
+        watchdog={"straggler_patience": 3},
+    )
+    assert codes == [0, 0, 0], codes
+    found = [e for e in events(tmp_path / "run") if e.get("event") == "straggler.detected"]
+    assert found and {e["straggler"] for e in found} == {2}
+    assert found[0]["local_s"] > 2 * found[0]["median_s"]
+
+
+def test_under_torchrun_a_hang_restarts_the_group(tmp_path: Path) -> None:
+    """End to end with the launcher: attempt 0 hangs and exits 81, torchrun restarts the
+    group, attempt 1 (faults arm in attempt 0 only) trains to the end."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=3",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        "-m",
+        "chaos.inject",
+        "--fault",
+        "hang@rank=2,step=4,phase=forward",
+        "--",
+        WORKER,
+        "--steps",
+        "8",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--run-dir",
+        str(run_dir),
+    ]
+    env = {
+        "RESILIENT_WATCHDOG": json.dumps(WATCHDOG),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    with Run(cmd, log_path=tmp_path / "torchrun.log", env=env) as launched:
+        rc = launched.wait(WAIT_S)
+        assert rc == 0, launched.output()[-4000:]
+    hang = only_event(run_dir, "hang.detected")
+    assert hang["ranks"] == [2] and hang["restart"] == 0
+    assert "step 4 phase forward" in (run_dir / "stacks" / "rank2.txt").read_text()
+    done = latest_event(run_dir, "runtime.done", rank=0)
+    assert done is not None and done["restart"] == 1 and done["step"] == 8
