@@ -1,4 +1,13 @@
-"""An endless, resumable iterator over a StatefulDataLoader, epoch by epoch."""
+"""An endless, resumable iterator over a StatefulDataLoader, epoch by epoch.
+
+Besides the loader's own state (exact resume on the same world size), it keeps the data
+position in a form that survives a world-size change: the epoch and the number of samples
+consumed in it by all ranks together. With a DistributedSampler, rank r of W takes samples
+perm[r], perm[r + W], ... of the epoch's permutation, so after each rank took k samples the
+ranks together consumed exactly perm[0 : k*W], whatever W was. A new world W' continues at
+perm[k*W :] by telling each rank's sampler it already yielded k*W / W' samples: no sample is
+skipped or seen twice (see resilient/runtime/elastic.py).
+"""
 
 from __future__ import annotations
 
@@ -22,12 +31,23 @@ class ResumableBatches:
         self.loader = loader
         self.epoch = 0
         self._it: Any = None
+        self._start = 0
+        """Samples this rank's sampler had yielded when the current iterator began."""
+        self._taken = 0
+        """Batches handed out by the current iterator."""
+
+    def _samplers(self) -> list[Any]:
+        return [
+            obj
+            for obj in (
+                getattr(self.loader, "sampler", None),
+                getattr(getattr(self.loader, "batch_sampler", None), "sampler", None),
+            )
+            if obj is not None
+        ]
 
     def _set_epoch(self) -> None:
-        for obj in (
-            getattr(self.loader, "sampler", None),
-            getattr(getattr(self.loader, "batch_sampler", None), "sampler", None),
-        ):
+        for obj in self._samplers():
             set_epoch = getattr(obj, "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(self.epoch)
@@ -42,23 +62,78 @@ class ResumableBatches:
                 with torch.random.fork_rng(devices=[]):
                     self._it = iter(self.loader)
             try:
-                return next(self._it)
+                batch = next(self._it)
             except StopIteration:
                 self.epoch += 1
                 self._it = None
+                self._start = self._taken = 0
+                continue
+            self._taken += 1
+            return batch
         raise RuntimeError("the tracked loader yields no batches: is its dataset empty?")
 
     def state_dict(self) -> dict[str, Any]:
-        # No iterator yet (start, or just past an epoch's end): the next epoch starts afresh.
-        # The loader's own state would describe the finished epoch instead.
+        # No iterator yet (start, or just past an epoch's end): the next epoch starts afresh
+        # (at `start` after a reshard). The loader's own state would describe the finished
+        # epoch instead.
         return {
             "epoch": self.epoch,
             "loader": self.loader.state_dict() if self._it is not None else None,
+            "start": self._start,
+            "taken": self._taken,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self._it = None
+        self._start = int(state.get("start", 0))
+        self._taken = int(state.get("taken", 0))
         if state["loader"] is not None:
             self._set_epoch()
             self.loader.load_state_dict(state["loader"])
+        elif self._start:
+            self._seek_sampler(self._start)
+
+    # ------------------------------------------------------------------ world-size changes
+    def _distributed_sampler(self) -> Any:
+        """The loader's DistributedSampler if it can be repositioned, else None."""
+        from torch.utils.data.distributed import DistributedSampler
+
+        for obj in self._samplers():
+            if isinstance(obj, DistributedSampler) and hasattr(obj, "load_state_dict"):
+                return obj
+        return None
+
+    def global_position(self) -> tuple[int, int] | None:
+        """(epoch, samples all ranks consumed in it), or None when the loader cannot tell
+        (no repositionable DistributedSampler, or no fixed batch_size)."""
+        sampler = self._distributed_sampler()
+        batch_size = getattr(self.loader, "batch_size", None)
+        if sampler is None or not batch_size:
+            return None
+        per_rank = self._start + self._taken * int(batch_size)
+        return self.epoch, per_rank * int(sampler.num_replicas)
+
+    def seek(self, epoch: int, consumed: int) -> None:
+        """Continue epoch `epoch` after `consumed` samples taken by all ranks together, on this
+        loader's world size. Raises ValueError when that cannot be done exactly."""
+        sampler = self._distributed_sampler()
+        if sampler is None:
+            raise ValueError(
+                "the loader has no DistributedSampler with load_state_dict (use torchdata's "
+                "StatefulDistributedSampler): its position cannot move to a new world size"
+            )
+        world = int(sampler.num_replicas)
+        if consumed % world:
+            raise ValueError(f"{consumed} samples consumed do not split evenly over {world} ranks")
+        self.epoch = int(epoch)
+        self._it = None
+        self._start, self._taken = consumed // world, 0
+        self._seek_sampler(self._start)
+
+    def _seek_sampler(self, per_rank: int) -> None:
+        sampler = self._distributed_sampler()
+        if sampler is None:
+            raise ValueError("the loader's sampler cannot be repositioned")
+        self._set_epoch()
+        sampler.load_state_dict({"yielded": per_rank})
