@@ -245,7 +245,7 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> Path:
     ranks = sorted({int(e["rank"]) for e in events if "rank" in e})
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(ranks)))
     for e in events:
-        r = e.get("rank")
+        r = int(e.get("rank", -1))
         if e.get("event") == "train.progress":
             ax.broken_barh(
                 [(float(e["t0"]) - t0, float(e["t1"]) - float(e["t0"]))],

@@ -26,6 +26,7 @@ from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
 from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
+from resilient.runtime.progress import ProgressLog
 from resilient.runtime.watchdog import Watchdog
 
 __all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
@@ -151,6 +152,7 @@ class Runtime:
         self._resumed = False
         self._last_save_time = time.monotonic()
         self._hooks: list[Any] = []
+        self._progress = ProgressLog(self.log)
         # resilient watchdog + guard: heartbeats, hang monitor, OOM/exception agreement
         self.watchdog = Watchdog(config.watchdog, self.ctx, self.run_dir)
         self.watchdog.start()
@@ -266,7 +268,9 @@ class Runtime:
         try:
             for step in range(start, end):
                 self.watchdog.step_begin(step)
+                self._progress.begin()
                 yield step
+                self._progress.end(step)  # train.progress: what `resilient report` reads
                 self.step = step + 1
                 self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
                 if self.step < end and self._should_save():
@@ -274,6 +278,7 @@ class Runtime:
             if self.config.save_at_end and end > start:
                 self.save(blocking=True)
         finally:
+            self._progress.flush()
             self.watchdog.progress.enter(Phase.FINISH)
             self.checkpoints.wait()
         self.log.info("runtime.done", step=self.step, total=total)
