@@ -25,6 +25,8 @@ MIN_PART = 5 << 20
 """S3's smallest part (every part but the last)."""
 MAX_PART = 5 << 30
 """S3's largest part."""
+MAX_PUT = 5 << 30
+"""S3's largest single PUT."""
 GROW_EVERY = 1000
 """The part size doubles every this many parts: S3 allows 10,000 parts per object, and the
 size of a stream is not known in advance (8 MiB parts would stop at 78 GiB, this at ~8 TiB)."""
@@ -46,10 +48,11 @@ class PartSink(Protocol):
 class UploadStream:
     """A write-only stream that uploads as it goes; the object appears only on `close()`.
 
-    Below one part the file is a single PUT at close. Beyond it, a multipart upload starts and
-    full parts are uploaded in a pool of `concurrency` threads while the writer goes on; the
-    writer blocks when that many are in flight. `close()` uploads the rest and completes the
-    upload; `abort()` (or an error) drops it, and nothing becomes visible.
+    Below two parts the file is a single PUT at close (s3fs's threshold: a multipart upload
+    costs two more requests and a server-side assembly). Beyond it, a multipart upload starts
+    and full parts are uploaded in a pool of `concurrency` threads while the writer goes on;
+    the writer blocks when that many are in flight. `close()` uploads the rest and completes
+    the upload; `abort()` (or an error) drops it, and nothing becomes visible.
 
     Deliberately not an io.IOBase: those close themselves when garbage collected, which here
     would publish a partial file.
@@ -63,6 +66,7 @@ class UploadStream:
         self._concurrency = max(1, concurrency)
         self._name = name
         self._buf = bytearray()
+        self._held: bytes | bytearray | None = None  # the first full part, until a second
         self._pos = 0
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
@@ -112,13 +116,17 @@ class UploadStream:
         if self._done:
             return
         try:
-            if self._upload_id is None:
-                self._sink.put(bytes(self._buf))
+            if self._upload_id is None and (
+                self._held is None or len(self._held) + len(self._buf) <= MAX_PUT
+            ):
+                self._sink.put(bytes(self._held or b"") + bytes(self._buf))
+                self._held = None
             else:
                 if self._buf:
                     self._ship(self._buf)
                 while self._inflight:
                     self._parts.append(self._inflight.popleft().result())
+                assert self._upload_id is not None  # _ship started it
                 self._sink.complete(self._upload_id, self._parts)
             self._buf = bytearray()
             self._done = True
@@ -133,6 +141,7 @@ class UploadStream:
             return
         self._done = True
         self._buf = bytearray()
+        self._held = None
         for fut in self._inflight:
             fut.cancel()
         for fut in self._inflight:
@@ -154,12 +163,21 @@ class UploadStream:
         return min(MAX_PART, self._part_size << (shipped // GROW_EVERY))
 
     def _ship(self, data: bytes | bytearray) -> None:
+        if self._upload_id is None and self._held is None:
+            self._held = data  # a single PUT at close, unless a second part comes
+            return
         if self._upload_id is None:
             self._upload_id = self._sink.start()
             self._pool = ThreadPoolExecutor(
                 max_workers=self._concurrency, thread_name_prefix="resilient-upload"
             )
-        assert self._pool is not None
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._submit(held)
+        self._submit(data)
+
+    def _submit(self, data: bytes | bytearray) -> None:
+        assert self._pool is not None and self._upload_id is not None
         while len(self._inflight) >= self._concurrency:  # bound the memory held
             self._parts.append(self._inflight.popleft().result())
         number = len(self._parts) + len(self._inflight) + 1
@@ -194,7 +212,7 @@ class BlockReader(io.RawIOBase):
         self._size = size
         self._block = max(1, block_size)
         self._ahead = max(0, concurrency - 1)
-        self._capacity = 2 * max(1, concurrency) + 2
+        self._capacity = max(1, concurrency) + 2  # read-ahead plus the blocks just read
         self._name = name
         self._pos = 0
         self._blocks: OrderedDict[int, Future[bytes]] = OrderedDict()

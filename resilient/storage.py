@@ -315,7 +315,8 @@ class Storage:
     Remote options (endpoint, region, credentials) come from the usual places (AWS_* variables,
     ~/.aws/config and credentials, AWS_PROFILE) or from `storage_options`, which win. For S3,
     `max_concurrency` (parts in flight per file, default 10) and `default_block_size` (part
-    and read block size, default 16 MiB here) are s3fs's own options and tune transfers too.
+    and read block size, default 16 MiB here) are s3fs's own options and tune transfers too;
+    a file being written or read holds about (max_concurrency + 2) x default_block_size.
     """
 
     def __init__(
