@@ -6,7 +6,9 @@
   saves; sharing the training group there deadlocked (TORCH_NOTES gotcha 3).
 
 Each restart attempt gets its own PrefixStore namespace on the agent's store: reusing the
-store's keys across restarts broke gloo's connectFullMesh (TORCH_NOTES gotcha 2).
+store's keys across restarts broke gloo's connectFullMesh (TORCH_NOTES gotcha 2). The attempt is
+$RESILIENT_ATTEMPT when `resilient run` set it (one id per rendezvous round, the same on every
+node), else TORCHELASTIC_RESTART_COUNT (which differs between nodes once one has rejoined).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch.distributed as dist
 
 from resilient.errors import ConfigError
 
-__all__ = ["DistContext", "init_distributed", "shutdown_distributed"]
+__all__ = ["ENV_ATTEMPT", "DistContext", "init_distributed", "shutdown_distributed"]
+
+ENV_ATTEMPT = "RESILIENT_ATTEMPT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +104,8 @@ def init_distributed(
         timeout=timeout,
         wait_for_workers=False,
     )
-    prefixed = dist.PrefixStore(f"resilient/attempt_{restart}", store)
+    attempt = os.environ.get(ENV_ATTEMPT) or str(restart)
+    prefixed = dist.PrefixStore(f"resilient/attempt_{attempt}", store)
     if user_group:  # use it, add our side groups
         backend = str(dist.get_backend())
     else:

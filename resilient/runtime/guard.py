@@ -38,7 +38,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -102,6 +102,11 @@ class Guard:
         """Micro-batches per batch; grows on OOM and stays grown (also across restarts)."""
         self._path = Path(run_dir) / SPLIT_FILE
         self._log = get_logger()
+        self.failing = False
+        """In fail_fast: a stop signal from the launcher now means "leave", not "save"."""
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Set by the Runtime: has a stop (preemption) signal arrived? Then a lost peer means
+        the launcher is already taking the group down, and no verdict is worth waiting for."""
 
     # ------------------------------------------------------------------ carried split
     def resume_split(self) -> int:
@@ -150,10 +155,13 @@ class Guard:
         wd = self.watchdog
         if wd.verdict_pending():
             wd.wait_for_verdict(1.0)
+        self.failing = True
         kind = _classify(exc)
         step, phase = wd.progress.step, wd.progress.phase.name.lower()
         if kind == "peer":
             self._log.warning("guard.peer_error", step=step, phase=phase, error=_short(exc))
+            if self.stop_requested():
+                exit_now(ExitCode.PEER_LOST, kind="peer_lost", reason="stopped by the launcher")
             cfg = self.config
             wd.wait_for_verdict(cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1)
             wd.abort(

@@ -24,10 +24,14 @@ from resilient.checkpoint.state import StatefulLike
 from resilient.errors import ConfigError
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
+from resilient.runtime.elastic import DataPosition
+from resilient.runtime.errorfile import install_excepthook
+from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
+from resilient.runtime.preempt import PreemptConfig, PreemptionWatch, coordinated_stop
 from resilient.runtime.progress import ProgressLog
-from resilient.runtime.watchdog import Watchdog
+from resilient.runtime.watchdog import Watchdog, exit_now
 
 __all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
 
@@ -63,6 +67,10 @@ class RuntimeConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig.from_env)
     """Hang detection, heartbeats, barrier and OOM-guard settings; init() also takes a dict
     of its fields. Default: WatchdogConfig defaults with $RESILIENT_WATCHDOG overrides."""
+    preempt: PreemptConfig = field(default_factory=PreemptConfig.from_env)
+    """Preemption signals, grace period and check interval (resilient.runtime.preempt); init()
+    also takes a dict. Default: $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, which
+    `resilient run` sets, else 30 s and SIGTERM,SIGUSR1."""
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:
@@ -106,6 +114,8 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
     ckpt = CheckpointConfig(url=url, **{k: v for k, v in options.items() if k in _CKPT_FIELDS})
     if isinstance(options.get("watchdog"), dict):
         options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
+    if isinstance(options.get("preempt"), dict):
+        options["preempt"] = PreemptConfig.from_env(options["preempt"])
     cfg = RuntimeConfig(
         checkpoint=ckpt, **{k: v for k, v in options.items() if k in _RUNTIME_FIELDS}
     )
@@ -158,6 +168,17 @@ class Runtime:
         self.watchdog.start()
         self.guards = Guard(self.watchdog, self.ctx, self.run_dir)
         self.guards.resume_split()
+        # resilient preemption: signals become a stop at an agreed step (runtime/preempt.py)
+        self.preemption = PreemptionWatch(
+            config.preempt,
+            group=self.ctx.control_group,
+            distributed=self.ctx.distributed,
+            leave_now=lambda: self.guards.failing,
+        )
+        self.guards.stop_requested = lambda: self.preemption.requested
+        self.preemption.install()
+        self._uninstall_excepthook = install_excepthook(lambda: self.step)
+        self._data: DataPosition | None = None
         self.log.info(
             "runtime.init",
             world_size=self.ctx.world_size,
@@ -184,12 +205,15 @@ class Runtime:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         loader: Any = None,
+        global_batch_size: int | None = None,
         **extras: StatefulLike,
     ) -> None:
         """Register what a checkpoint holds. Call once, before `steps()`.
 
         `loader` should be a torchdata StatefulDataLoader; iterate it through `batches()`
-        so its position and epoch are checkpointed. `extras` are objects with
+        so its position and epoch are checkpointed. `global_batch_size` (default: the loader's
+        batch_size x world size at the first start) is kept on other world sizes through
+        `grad_accum` micro-batches per step. `extras` are objects with
         state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
         """
         if self._resumed:
@@ -211,6 +235,11 @@ class Runtime:
                 )
             self._batches = ResumableBatches(loader)
             per_rank["loader"] = self._batches
+            # world-size-independent position + global batch, for elastic resume
+            self._data = DataPosition(
+                self._batches, world_size=self.world_size, global_batch_size=global_batch_size
+            )
+            common["__data__"] = self._data
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
         self._install_fences(model, optimizer)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
@@ -246,6 +275,8 @@ class Runtime:
             with self.watchdog.phase(Phase.CHECKPOINT):
                 loaded = self.checkpoints.load_latest(self.state)
             self.step = loaded or 0
+            if self._data is not None:
+                self._data.apply()  # elastic: reposition the loader on a new world size
             self._resumed = True
             self._last_save_time = time.monotonic()
             self.log.info("runtime.resume", step=self.step, from_checkpoint=loaded is not None)
@@ -267,6 +298,7 @@ class Runtime:
         start = self.resume()
         try:
             for step in range(start, end):
+                self._check_preempt(start)  # may end the run with ExitCode.PREEMPTED
                 self.watchdog.step_begin(step)
                 self._progress.begin()
                 yield step
@@ -298,8 +330,38 @@ class Runtime:
     def save(self, *, blocking: bool | None = None) -> None:
         """Checkpoint the tracked state at the current step (async unless configured)."""
         self._last_save_time = time.monotonic()
+        sync = blocking if blocking is not None else not self.config.checkpoint.async_save
+        t0 = time.perf_counter()
         with self.watchdog.phase(Phase.CHECKPOINT):
             self.checkpoints.save(self.state, self.step, blocking=blocking)
+        if sync:  # what a final save on preemption will take
+            self.preemption.note_save(time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ preemption, elastic
+    def _check_preempt(self, resumed_at: int) -> None:
+        """Agree across ranks whether a preemption signal arrived; if so, stop (never returns)."""
+        try:
+            with self.watchdog.phase(Phase.AGREE):
+                stop = self.preemption.agree()
+        except (RuntimeError, dist.DistError) as e:  # a peer died during the agreement
+            if self.preemption.requested:  # leaving anyway; the group cannot save now
+                exit_now(ExitCode.PEER_LOST, kind="preempt_group_lost", error=str(e)[:300])
+            self.guards.fail_fast(e)
+        if stop:
+            coordinated_stop(self, resumed_at=resumed_at)
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step that keep the global batch on this world size
+        (1 unless the run resumed on fewer ranks than it started with, or track() got a
+        global_batch_size). Read it inside the loop: it is known once steps() resumed."""
+        if not self._resumed:
+            self.resume()
+        return self._data.grad_accum if self._data is not None else 1
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self._data.global_batch if self._data is not None else None
 
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""
@@ -309,6 +371,8 @@ class Runtime:
             h.remove()
         self._hooks = []
         self.watchdog.stop(barrier=True)
+        self.preemption.uninstall()
+        self._uninstall_excepthook()
         shutdown_distributed(self.ctx)
 
     # ------------------------------------------------------------------ guards and phases

@@ -1,0 +1,56 @@
+"""An uncaught exception in a worker, recorded where the launcher looks for it.
+
+torch elastic gives each worker an error file (TORCHELASTIC_ERROR_FILE) that its `@record`
+decorator fills; scripts rarely use it. `install_excepthook()` does the same for any uncaught
+exception in the main thread and logs `worker.exception` with the step, so `resilient run`
+can name the rank, the exception and the step of a repeating failure.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from resilient.log import get_logger
+
+__all__ = ["install_excepthook"]
+
+
+def install_excepthook(step: Callable[[], int | None]) -> Callable[[], None]:
+    """Chain a sys.excepthook that writes the error file and logs; returns an uninstaller."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not issubclass(exc_type, KeyboardInterrupt):
+            _record(exc, step)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+    def uninstall() -> None:
+        if sys.excepthook is hook:
+            sys.excepthook = previous
+
+    return uninstall
+
+
+def _record(exc: BaseException, step: Callable[[], int | None]) -> None:
+    try:
+        at: Any = step()
+    except Exception:  # the runtime may be half torn down; the exception matters more
+        at = None
+    get_logger().error(
+        "worker.exception",
+        error=f"{type(exc).__name__}: {exc}"[:1000],
+        step=at,
+        traceback="".join(traceback.format_exception(exc))[-4000:],
+    )
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)  # no-op without TORCHELASTIC_ERROR_FILE
+    except Exception as e:  # never mask the original error with a reporting one
+        print(f"resilient: could not write the error file: {e}", file=sys.stderr)

@@ -1,0 +1,329 @@
+"""Preemption inside the grace period: a signal becomes a stop at one step every rank agrees on.
+
+The signal handler only records the time (no logging, no I/O: it runs between two bytecodes
+of whatever the main thread was doing). At each step boundary the runtime asks `agree()`: one
+all_reduce(MAX) of a one-element flag on the control group, so a signal seen by any rank
+(the launcher forwards SIGTERM to all, Slurm signals all, `kill` may hit one) stops every rank
+before the same step. They then finish an async save in flight, save the current step if the
+budget allows (`budget()`: the slowest rank's estimate against the least time left), commit,
+and leave with ExitCode.PREEMPTED by raising `Preempted` (a SystemExit) out of `steps()`.
+
+The budget is `grace_s` from the signal, minus a margin for leaving the process groups and
+exiting; the launcher (`resilient run`) waits that long before SIGKILL. When a save cannot
+fit, none is started: the previous checkpoint stays the newest valid one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from resilient.errors import CheckpointError, ConfigError
+from resilient.log import get_logger
+from resilient.runtime.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from resilient.runtime.runtime import Runtime
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_SIGNALS",
+    "ENV_GRACE_S",
+    "ENV_PREEMPT_SIGNALS",
+    "PreemptConfig",
+    "Preempted",
+    "PreemptionWatch",
+    "coordinated_stop",
+    "parse_signals",
+]
+
+ENV_GRACE_S = "RESILIENT_GRACE_S"
+"""Seconds from a preemption signal to SIGKILL (set by `resilient run --grace-period`)."""
+ENV_PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
+"""Comma-separated signal names that start a coordinated stop; "none" turns handling off."""
+DEFAULT_GRACE_S = 30.0
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """ "SIGTERM,USR1" -> (SIGTERM, SIGUSR1); "" or "none" -> (). Raises ConfigError."""
+    out: list[signal.Signals] = []
+    for raw in text.split(","):
+        name = raw.strip().upper()
+        if not name or name == "NONE":
+            continue
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(
+                f"{raw.strip()!r} is not a signal that can be handled; use names like "
+                "SIGTERM,SIGUSR1"
+            )
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+class Preempted(SystemExit):
+    """Leaves the training loop after a coordinated stop; exits with ExitCode.PREEMPTED.
+
+    A SystemExit, so the user's `except Exception` and the guard let it through and the
+    process exits with the code a scheduler reads as "requeue me".
+    """
+
+    def __init__(self, *, step: int, committed: int | None) -> None:
+        super().__init__(int(ExitCode.PREEMPTED))
+        self.step = step
+        self.committed = committed
+
+
+@dataclass(kw_only=True, slots=True)
+class PreemptConfig:
+    """Which signals mean "save and leave", and how long there is to do it."""
+
+    signals: tuple[str, ...] = DEFAULT_SIGNALS
+    """Handled in the main thread from init() on; () to leave signals alone."""
+    grace_s: float = DEFAULT_GRACE_S
+    """Seconds from the signal to the SIGKILL that follows it (Kubernetes default: 30)."""
+    exit_margin_s: float | None = None
+    """Kept free at the end of the grace period for closing groups and exiting; default
+    min(2 s, 10% of grace_s)."""
+    check_every_steps: int = 1
+    """Agree on the flag every N steps (one tiny all_reduce each time)."""
+
+    def __post_init__(self) -> None:
+        parse_signals(",".join(self.signals))
+        if not self.grace_s > 0:
+            raise ConfigError(f"preemption grace_s must be > 0 seconds, got {self.grace_s}")
+        if self.exit_margin_s is None:
+            self.exit_margin_s = min(2.0, 0.1 * self.grace_s)
+        if not 0 <= self.exit_margin_s < self.grace_s:
+            raise ConfigError(
+                f"exit_margin_s ({self.exit_margin_s}) must be in [0, grace_s={self.grace_s})"
+            )
+        if self.check_every_steps < 1:
+            raise ConfigError(f"check_every_steps must be >= 1, got {self.check_every_steps}")
+
+    @classmethod
+    def from_env(cls, overrides: dict[str, Any] | None = None) -> PreemptConfig:
+        """Defaults, then $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, then `overrides`.
+        Raises ConfigError on unknown keys or bad values."""
+        kw: dict[str, Any] = {}
+        raw = os.environ.get(ENV_GRACE_S, "").strip()
+        if raw:
+            try:
+                kw["grace_s"] = float(raw)
+            except ValueError as e:
+                raise ConfigError(f"${ENV_GRACE_S}={raw!r} is not a number of seconds") from e
+        sigs = os.environ.get(ENV_PREEMPT_SIGNALS)
+        if sigs is not None:
+            kw["signals"] = tuple(s.name for s in parse_signals(sigs))
+        kw.update(overrides or {})
+        known = set(cls.__dataclass_fields__)
+        if set(kw) - known:
+            raise ConfigError(
+                f"unknown preempt option(s) {sorted(set(kw) - known)}; valid: {sorted(known)}"
+            )
+        if isinstance(kw.get("signals"), str):
+            kw["signals"] = tuple(s.name for s in parse_signals(kw["signals"]))
+        return cls(**kw)
+
+
+class PreemptionWatch:
+    """The preemption flag: set by a signal, agreed on by all ranks at step boundaries."""
+
+    def __init__(
+        self,
+        config: PreemptConfig,
+        *,
+        group: Any,
+        distributed: bool,
+        leave_now: Callable[[], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self._leave_now = leave_now
+        """True when the rank is already failing: a signal then means "stop now" (the launcher
+        is taking a broken group down), not "save" (which a broken group cannot do)."""
+        self._group = group
+        self._distributed = distributed
+        self._previous: dict[signal.Signals, Any] = {}
+        self.signal_at: float | None = None
+        """time.monotonic() of the first signal this rank got (None: none)."""
+        self.signal_name: str | None = None
+        self.learned_at: float | None = None
+        """When this rank learned of the stop (its own signal, or a peer's via agree())."""
+        self.checks = 0
+        self.check_s = 0.0
+        """Number and total seconds of agree() calls (the steady-state cost)."""
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._since_check = 0
+        self.save_estimate_s: float | None = None
+        """Duration of the last synchronous save on this rank: what a final save may take."""
+        self._warned_slow_save = False
+
+    # ------------------------------------------------------------------ signals
+    def install(self) -> None:
+        """Handle the configured signals. Only from the main thread (a no-op elsewhere)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in parse_signals(",".join(self.config.signals)):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # async-signal context: assignments only (logging here could re-enter a file write)
+        if self._leave_now is not None and self._leave_now():
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os._exit(128 + signum)  # what the signal's default action would have done
+        if self.signal_at is None:
+            self.signal_at = time.monotonic()
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_at is not None
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, *, force: bool = False) -> bool:
+        """True when any rank got a signal. A collective on the control group every
+        `check_every_steps` calls (or when `force`); every rank must call it alike."""
+        self._since_check += 1
+        if not force and self._since_check < self.config.check_every_steps:
+            return False
+        self._since_check = 0
+        t0 = time.perf_counter()
+        self._flag[0] = 1 if self.signal_at is not None else 0
+        if self._distributed:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        stop = bool(self._flag[0].item())
+        self.checks += 1
+        self.check_s += time.perf_counter() - t0
+        if stop and self.learned_at is None:
+            self.learned_at = time.monotonic()
+        return stop
+
+    def remaining_s(self, now: float | None = None) -> float:
+        """Seconds left for saving on this rank: grace minus time since the signal (or since
+        this rank learned of the stop), minus the exit margin."""
+        now = time.monotonic() if now is None else now
+        start = self.signal_at if self.signal_at is not None else self.learned_at
+        if start is None:
+            return math.inf
+        margin = float(self.config.exit_margin_s or 0.0)
+        return self.config.grace_s - (now - start) - margin
+
+    def budget(self, estimate_s: float | None) -> tuple[bool, float, float]:
+        """Agree whether a save of about `estimate_s` seconds (None: unknown) fits.
+
+        Returns (save, slowest estimate, least time left) identical on every rank. An unknown
+        estimate counts as fitting: if it does not, SIGKILL leaves the save torn, and a torn
+        save is never loaded.
+        """
+        est = -1.0 if estimate_s is None else float(estimate_s)
+        box = torch.tensor([est, -self.remaining_s()], dtype=torch.float64)
+        if self._distributed:
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._group)
+        slowest, least = float(box[0]), -float(box[1])
+        return (slowest < 0 or slowest <= least), slowest, least
+
+    def note_save(self, seconds: float) -> None:
+        """Record a synchronous save's duration; warn once if it would not fit the grace."""
+        self.save_estimate_s = seconds
+        room = self.config.grace_s - float(self.config.exit_margin_s or 0.0)
+        if seconds > room and not self._warned_slow_save:
+            self._warned_slow_save = True
+            get_logger().warning(
+                "preempt.grace_too_short",
+                save_s=round(seconds, 3),
+                grace_s=self.config.grace_s,
+                note="a final save on preemption would not fit; the previous checkpoint "
+                "would stay the newest valid. Raise the grace period or save less state",
+            )
+
+    def since_signal_s(self) -> float | None:
+        start = self.signal_at if self.signal_at is not None else self.learned_at
+        return None if start is None else round(time.monotonic() - start, 4)
+
+
+def coordinated_stop(rt: Runtime, *, resumed_at: int) -> NoReturn:
+    """Every rank agreed to stop before the next step: finish or make the final save within
+    the grace period, leave the process groups, raise Preempted (exit ExitCode.PREEMPTED).
+
+    `resumed_at` is the step this attempt started from: with no step done since, there is
+    nothing new to save.
+    """
+    from resilient.runtime.heartbeat import Phase
+
+    watch, log, step = rt.preemption, rt.log, rt.step
+    log.warning(
+        "preempt.stop",
+        step=step,
+        signal=watch.signal_name,
+        signalled_here=watch.requested,
+        since_signal_s=watch.since_signal_s(),
+        remaining_s=round(watch.remaining_s(), 3),
+    )
+    mgr = rt.checkpoints
+    try:
+        with rt.watchdog.phase(Phase.CHECKPOINT):
+            t0 = time.monotonic()
+            if mgr.wait() is not None:  # the async save in flight: finish and commit it
+                log.info(
+                    "preempt.flushed",
+                    step=getattr(mgr, "last_committed", None),
+                    wait_s=round(time.monotonic() - t0, 4),
+                )
+            committed = getattr(mgr, "last_committed", None)
+            if step not in (committed, resumed_at):
+                fits, estimate, left = watch.budget(watch.save_estimate_s)
+                if fits:
+                    t1 = time.monotonic()
+                    rt.save(blocking=True)
+                    committed = getattr(mgr, "last_committed", None)
+                    if committed == step:
+                        log.warning(
+                            "preempt.committed",
+                            step=step,
+                            save_s=round(time.monotonic() - t1, 4),
+                            since_signal_s=watch.since_signal_s(),
+                        )
+                else:
+                    log.error(
+                        "preempt.skip_save",
+                        step=step,
+                        estimate_s=round(estimate, 3),
+                        remaining_s=round(left, 3),
+                        newest_valid=committed,
+                    )
+    except CheckpointError as e:  # the previous checkpoint stays the newest valid one
+        committed = getattr(mgr, "last_committed", None)
+        log.error("preempt.save_failed", step=step, error=str(e)[:500], newest_valid=committed)
+    rt.close()
+    log.warning(
+        "preempt.exit",
+        step=step,
+        committed=committed,
+        code=int(ExitCode.PREEMPTED),
+        since_signal_s=watch.since_signal_s(),
+        agree_checks=watch.checks,
+        agree_mean_us=round(1e6 * watch.check_s / watch.checks, 1) if watch.checks else None,
+    )
+    raise Preempted(step=step, committed=committed)
