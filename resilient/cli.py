@@ -1,5 +1,6 @@
-"""`resilient` on the command line: inspect and verify checkpoints.
+"""`resilient` on the command line: run training, inspect and verify checkpoints.
 
+resilient run [torchrun flags] script.py [args]   torchrun with restarts, preemption, elastic
 resilient ls URL          list checkpoints: step, committed or not, size, world size
 resilient verify URL      check every file of the newest (or --step N) checkpoint
 """
@@ -70,8 +71,19 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # torchrun's flags: its own parser reads them (supervisor/config.py)
+        from resilient.supervisor import main as run_main
+
+        return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "run",
+        help="run a script under torch elastic with restarts, preemption and elastic resume "
+        "(resilient run --help)",
+        add_help=False,
+    )
     p = sub.add_parser("ls", help="list the checkpoints under a location")
     p.add_argument("url", help="checkpoint directory or fsspec URL")
     p.set_defaults(fn=_ls)

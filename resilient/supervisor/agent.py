@@ -1,0 +1,251 @@
+"""torch elastic's LocalElasticAgent with resilient's stop and restart rules.
+
+The agent's own loop (rendezvous, start, monitor, restart on failure or on a membership
+change) is unchanged; this subclass overrides the documented extension points of
+SimpleElasticAgent (`_start_workers`, `_monitor_workers`, `_stop_workers`, `_shutdown`) and is
+the one module of resilient that reads the agent's state (`_pcontext`, `_remaining_restarts`),
+as torch's own LocalElasticAgent does for its D-state check.
+
+What changes:
+- A failed rank's peers are SIGKILLed at once. torch would send SIGTERM and wait 30 s, but
+  SIGTERM now means "save and leave" to a resilient worker, which a broken group cannot do.
+- Ranks that leave with ExitCode.PREEMPTED are given the grace period to finish committing.
+- A healthy group stopped for a membership change (a node joins) gets SIGTERM and the grace
+  period: it saves, so the new world resumes with zero steps lost.
+- After a failure the supervisor's hooks decide: restart after a backoff, or stop (crash loop,
+  preempted). A stop sets the remaining restarts to zero, so the agent returns the result.
+- Every agent of a rendezvous round agrees on one attempt id, exported as RESILIENT_ATTEMPT:
+  the workers' per-attempt store prefix. TORCHELASTIC_RESTART_COUNT differs between nodes
+  after one rejoins, and a prefix built from it would split the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+
+from resilient.runtime.dist import ENV_ATTEMPT
+from resilient.runtime.exitcodes import ExitCode
+
+__all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
+
+_ATTEMPT_KEY = "resilient/attempt_id"
+
+
+@dataclass(frozen=True, slots=True)
+class FailureInfo:
+    """One rank's exit as the agent saw it."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exit_code: int
+    error_file_message: str | None
+    root: bool
+    """It exited on its own, before the agent stopped the others."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to do after a failed group: "restart" (after delay_s), "stop" (with code), or
+    "rejoin" (a membership change: restart without counting it as a failure)."""
+
+    action: str
+    delay_s: float = 0.0
+    code: int | None = None
+
+
+class AgentHooks(Protocol):
+    def on_start(
+        self, *, restart: int, attempt_id: str, world_size: int, group_rank: int, pids: list[int]
+    ) -> None: ...
+
+    def on_failure(
+        self, *, restart: int, failures: list[FailureInfo], restarts_left: int, nodes_waiting: int
+    ) -> Verdict: ...
+
+    def on_event(self, event: str, **fields: Any) -> None: ...
+
+
+def peek_exit(pid: int) -> int | None:
+    """A child's exit status without reaping it (Popen still gets it): the code, -signal for
+    a signalled child, or None while it runs (or once the process context reaped it)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+class SupervisedAgent(LocalElasticAgent):
+    """LocalElasticAgent whose restarts, kills and stops follow `hooks` (see module doc)."""
+
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        hooks: AgentHooks,
+        grace_s: float,
+        stop_signal: signal.Signals,
+        preempt_signals: tuple[signal.Signals, ...],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(spec, **kwargs)
+        self._hooks = hooks
+        self._grace_s = grace_s
+        self._stop_signal = stop_signal
+        self._preempt_signals = preempt_signals
+        self._pending_delay = 0.0
+        self._roots: dict[int, int] = {}  # local rank -> exit code, as first seen
+        self._handled = False
+        self.stop_code: int | None = None
+        self.attempt_id = ""
+
+    @property
+    def restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    # ------------------------------------------------------------------ start
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.attempt_id = self._agree_attempt_id(worker_group)
+        os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
+        self._roots = {}
+        self._handled = False
+        pids = super()._start_workers(worker_group)
+        self._hooks.on_start(
+            restart=self.restart_count,
+            attempt_id=self.attempt_id,
+            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+            group_rank=int(worker_group.group_rank or 0),
+            pids=list(pids.values()),
+        )
+        return pids
+
+    def _agree_attempt_id(self, worker_group: WorkerGroup) -> str:
+        store = worker_group.store
+        if store is None:
+            return f"r{self.restart_count}"
+        # The dynamic (c10d, etcd) rendezvous hands out a store prefixed by its round, fresh
+        # each round; the static one reuses its store, where restart counts agree anyway.
+        static = worker_group.spec.rdzv_handler.get_backend() == "static"
+        key = f"{_ATTEMPT_KEY}/{self.restart_count}" if static else _ATTEMPT_KEY
+        if worker_group.group_rank == 0:
+            store.set(key, f"r{self.restart_count}-{uuid.uuid4().hex[:8]}")
+        return bytes(store.get(key)).decode()
+
+    # ------------------------------------------------------------------ monitor
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pc = self._pcontext
+        if pc is not None and not self._roots:
+            pids = pc.pids()
+            codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+            failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}
+            if failed:
+                self._roots = failed
+                alive = [lr for lr, c in codes.items() if c is None]
+                if alive:
+                    self._stop_survivors(pids, alive, failed)
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            return self._after_failure(worker_group, result)
+        return result
+
+    def _stop_survivors(
+        self, pids: dict[int, int], alive: list[int], failed: dict[int, int]
+    ) -> None:
+        if all(c == ExitCode.PREEMPTED for c in failed.values()):
+            # a coordinated stop: the others are committing the same checkpoint and leaving
+            # no scheduler deadline here (the launcher got no signal): at least a few seconds
+            wait_s = max(self._grace_s, 5.0)
+            self._hooks.on_event("preempt.wait_ranks", local_ranks=alive, wait_s=wait_s)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and any(peek_exit(pids[lr]) is None for lr in alive):
+                time.sleep(0.05)
+            alive = [lr for lr in alive if peek_exit(pids[lr]) is None]
+            if not alive:
+                return
+        self._hooks.on_event(
+            "restart.kill_survivors",
+            local_ranks=alive,
+            first_failures={str(lr): c for lr, c in failed.items()},
+        )
+        for lr in alive:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pids[lr], signal.SIGKILL)  # each worker leads its own session
+        deadline = time.monotonic() + 2.0  # gone before the process context polls them
+        while time.monotonic() < deadline and any(peek_exit(pids[lr]) is None for lr in alive):
+            time.sleep(0.01)
+
+    def _after_failure(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        if self._handled:  # the loop polls a finished group again before restarting it
+            return result
+        self._handled = True
+        failures = []
+        for rank, pf in sorted(result.failures.items()):
+            msg = pf.message
+            if isinstance(msg, dict):  # error files hold {"message": ..., "extraInfo": ...}
+                msg = str(msg.get("message", ""))
+            failures.append(
+                FailureInfo(
+                    rank=rank,
+                    local_rank=pf.local_rank,
+                    pid=pf.pid,
+                    exit_code=pf.exitcode,
+                    error_file_message=msg if pf.error_file != "<N/A>" and msg else None,
+                    root=pf.local_rank in self._roots if self._roots else True,
+                )
+            )
+        try:
+            waiting = worker_group.spec.rdzv_handler.num_nodes_waiting()
+        except Exception:  # the rendezvous store may be gone with a failed node
+            waiting = 0
+        verdict = self._hooks.on_failure(
+            restart=self.restart_count,
+            failures=failures,
+            restarts_left=self._remaining_restarts,
+            nodes_waiting=waiting,
+        )
+        if verdict.action == "rejoin":
+            # the agent's own membership-change path: restart, not counted as a failure
+            return RunResult(state=WorkerState.HEALTHY)
+        if verdict.action == "stop":
+            self.stop_code = verdict.code
+            self._remaining_restarts = 0
+        else:
+            self._pending_delay = verdict.delay_s
+        return result
+
+    # ------------------------------------------------------------------ stop
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        if worker_group.state == WorkerState.HEALTHY:
+            # a membership change: the group is fine; let it save and leave
+            self._hooks.on_event("restart.membership", grace_s=self._grace_s)
+            super()._shutdown(self._stop_signal, timeout=int(self._grace_s + 0.999))
+        else:
+            super()._shutdown(signal.SIGKILL, timeout=30)
+        delay, self._pending_delay = self._pending_delay, 0.0
+        if delay > 0:
+            self._hooks.on_event("restart.backoff", delay_s=round(delay, 3))
+            time.sleep(delay)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if isinstance(sys.exc_info()[1], SignalException):
+            # run() is forwarding a signal the launcher got: the workers have the grace period
+            # to commit; a repeated signal (Slurm, a second Ctrl-C) must not cut it short
+            for sig in self._preempt_signals:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(sig, signal.SIG_IGN)
+            self._hooks.on_event("preempt.forward", signal=death_sig.name, grace_s=timeout)
+        super()._shutdown(death_sig, timeout)

@@ -1,0 +1,228 @@
+"""The command line of `resilient run`: torchrun's own parser plus resilient's flags.
+
+`resilient run [torchrun flags] [resilient flags] script.py [script args]`. torchrun's flags
+keep their meaning, with three defaults changed: the rendezvous is c10d (torchrun: static,
+unless single-node), --max-restarts is 10 (torchrun: 0; crash-loop detection stops a hopeless
+run first), and --shutdown-timeout follows --grace-period. Everything is checked before a
+process starts: an unknown flag, a missing script, an impossible value exit with
+ExitCode.USAGE and a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import shutil
+import signal
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+from resilient.errors import ConfigError
+from resilient.runtime.exitcodes import ExitCode
+from resilient.runtime.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNALS, parse_signals
+from resilient.supervisor.policy import RestartPolicy
+
+__all__ = ["DEFAULT_MAX_RESTARTS", "SupervisorConfig", "UsageError", "parse_command_line"]
+
+DEFAULT_MAX_RESTARTS = 10
+_RESILIENT_FLAGS = "resilient"
+
+
+class UsageError(ConfigError):
+    """The command line cannot work; nothing was started."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
+
+
+@dataclass(kw_only=True, slots=True)
+class SupervisorConfig:
+    """resilient's own launcher options (torchrun's live in its LaunchConfig)."""
+
+    run_dir: str
+    """Event logs of every rank (<run_dir>/logs), the supervisor's log and its report."""
+    checkpoint_url: str | None = None
+    """Exported to the workers as RESILIENT_CHECKPOINT_DIR; also how the supervisor measures
+    progress for crash-loop detection (else from the workers' logs)."""
+    grace_s: float = DEFAULT_GRACE_S
+    """From a preemption signal to SIGKILL: the workers agree, save, commit and leave in it."""
+    preempt_signals: tuple[str, ...] = DEFAULT_SIGNALS
+    """Signals that mean "save and leave" to the launcher and to every worker."""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    """Backoff between restarts and the crash-loop limit."""
+
+    def __post_init__(self) -> None:
+        if not self.grace_s > 0:
+            raise UsageError(f"--grace-period must be > 0 seconds, got {self.grace_s}")
+        parse_signals(",".join(self.preempt_signals))  # raises on a bad name
+
+    def signals(self) -> tuple[signal.Signals, ...]:
+        return parse_signals(",".join(self.preempt_signals))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser (same flags, same PET_* environment defaults) plus resilient's."""
+    base = get_args_parser()
+    parser = _Parser(
+        prog="resilient run",
+        description="Run a training script under torch elastic with resilient's restart "
+        "supervision, preemption handling and elastic resume. torchrun's flags work unchanged.",
+        parents=[base],
+        add_help=False,
+        conflict_handler="resolve",
+    )
+    if "PET_MAX_RESTARTS" not in os.environ:
+        parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
+    if "PET_RDZV_BACKEND" not in os.environ:
+        parser.set_defaults(rdzv_backend=None)  # None: not given, c10d chosen below
+    g = parser.add_argument_group("resilient")
+    g.add_argument(
+        "--run-dir",
+        default=os.environ.get("RESILIENT_RUN_DIR"),
+        help="run directory: per-rank event logs, supervisor log and report "
+        "(default $RESILIENT_RUN_DIR, else runs/<rdzv id>)",
+    )
+    g.add_argument(
+        "--checkpoint-url",
+        "--ckpt-url",
+        default=os.environ.get("RESILIENT_CHECKPOINT_DIR"),
+        help="checkpoint directory or fsspec URL, exported to workers as "
+        "RESILIENT_CHECKPOINT_DIR (default: $RESILIENT_CHECKPOINT_DIR)",
+    )
+    g.add_argument(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="preemption budget: from SIGTERM to SIGKILL, workers agree on a step, save, "
+        f"commit and exit {int(ExitCode.PREEMPTED)} (default {DEFAULT_GRACE_S:g}, Kubernetes' "
+        "terminationGracePeriodSeconds)",
+    )
+    g.add_argument(
+        "--preempt-signals",
+        default=",".join(DEFAULT_SIGNALS),
+        help="comma-separated signals that mean 'save and leave' (default SIGTERM,SIGUSR1)",
+    )
+    g.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="first wait after a failure without checkpoint progress; doubles each time",
+    )
+    g.add_argument("--restart-backoff-max", type=float, default=60.0, metavar="SECONDS")
+    g.add_argument("--restart-jitter", type=float, default=1.0, metavar="SECONDS")
+    g.add_argument(
+        "--crash-loop-restarts",
+        type=int,
+        default=3,
+        metavar="K",
+        help=f"stop with exit code {int(ExitCode.CRASH_LOOP)} after K consecutive restarts "
+        "without checkpoint progress (default 3)",
+    )
+    return parser
+
+
+def parse_command_line(
+    argv: list[str], *, warn: Any = None
+) -> tuple[SupervisorConfig, argparse.Namespace]:
+    """Parse and check `argv` (after `run`). Raises UsageError; argparse errors exit USAGE.
+
+    Returns resilient's config and torchrun's namespace, completed (rendezvous chosen,
+    signals, shutdown timeout) so torch's config_from_args can build the LaunchConfig.
+    """
+    warn = warn or (lambda msg: print(f"resilient run: warning: {msg}", file=sys.stderr))
+    args = build_parser().parse_args(argv)
+    try:
+        policy = RestartPolicy(
+            backoff_s=args.restart_backoff,
+            backoff_max_s=args.restart_backoff_max,
+            jitter_s=args.restart_jitter,
+            crash_loop_restarts=args.crash_loop_restarts,
+        )
+        signals = tuple(s.name for s in parse_signals(args.preempt_signals))
+    except ConfigError as e:
+        raise UsageError(str(e)) from e
+    _check_script(args)
+    _choose_rendezvous(args, warn)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.monitor_interval <= 0:
+        raise UsageError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
+    # the agent forwards these to the workers and waits --shutdown-timeout before SIGKILL
+    handled = [s.strip() for s in args.signals_to_handle.split(",") if s.strip()]
+    args.signals_to_handle = ",".join(handled + [s for s in signals if s not in handled])
+    grace = math.ceil(args.grace_period)
+    if args.shutdown_timeout is not None and args.shutdown_timeout < grace:
+        warn(
+            f"--shutdown-timeout {args.shutdown_timeout} is shorter than --grace-period "
+            f"{args.grace_period:g}: using {grace} s so workers are not killed mid-save"
+        )
+    args.shutdown_timeout = max(grace, args.shutdown_timeout or 0)
+    run_dir = args.run_dir or os.path.join("runs", args.rdzv_id)
+    cfg = SupervisorConfig(
+        run_dir=os.path.abspath(run_dir),
+        checkpoint_url=args.checkpoint_url,
+        grace_s=args.grace_period,
+        preempt_signals=signals,
+        restart=policy,
+    )
+    return cfg, args
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"module {script!r} (-m) cannot be found on sys.path")
+    elif args.no_python:
+        if shutil.which(script) is None:
+            raise UsageError(f"--no-python: {script!r} is not an executable on PATH")
+    elif args.run_path and not os.path.isabs(script):
+        raise UsageError(f"--run-path needs an absolute script path, got {script!r}")
+    elif not os.path.isfile(script):
+        raise UsageError(f"training script {script!r} does not exist (cwd {os.getcwd()})")
+
+
+def _choose_rendezvous(args: argparse.Namespace, warn: Any) -> None:
+    """torchrun's choices, except that c10d is the default backend (see module doc)."""
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"--nnodes {args.nnodes!r}: {e}; use N or MIN:MAX") from e
+    if not 0 < min_nodes <= max_nodes:
+        raise UsageError(f"--nnodes {args.nnodes!r}: need 0 < MIN <= MAX")
+    single = max_nodes == 1
+    if args.standalone or (
+        args.rdzv_backend is None and single and not args.rdzv_endpoint and args.master_port is None
+    ):
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend is None:
+        args.rdzv_backend = "c10d"
+        if not args.rdzv_endpoint:
+            if args.master_port is None:
+                raise UsageError(
+                    f"--nnodes {args.nnodes} spans several nodes: give --rdzv-endpoint HOST:PORT "
+                    "of a host every node can reach (the first node there hosts the rendezvous)"
+                )
+            args.rdzv_endpoint = f"{args.master_addr}:{args.master_port}"
+        if args.rdzv_id == "none" and not single:
+            warn("--rdzv-id not given: every job on this endpoint shares the id 'none'")
+    if args.rdzv_id == "none" and single:
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500  # as torchrun: only the static rendezvous reads it

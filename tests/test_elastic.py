@@ -1,0 +1,315 @@
+"""Elastic world size: resume on fewer or more ranks with the global batch and the data position
+kept (no sample skipped or seen twice), and two real hosts (network namespaces) where one dies
+and comes back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Launcher
+from run_helpers import WORKER, env, events, kill_tree, last_by_step, records, run_cmd, wait_for
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from recipes.common.data import build_dataset
+from resilient.errors import ConfigError
+from resilient.runtime.batches import ResumableBatches
+from resilient.runtime.elastic import DataPosition
+
+SEED = 0
+
+
+def _dataset() -> Any:
+    return build_dataset(block_size=16, num_chars=40_000, seed=SEED)[0]  # as the worker's
+
+
+def _expected_order(n: int, epoch: int = 0) -> list[int]:
+    """The epoch's global sample order under DistributedSampler(shuffle=True, seed=SEED)."""
+    g = torch.Generator().manual_seed(SEED + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def _rank_batches(ds: Any, world: int, batch: int) -> list[ResumableBatches]:
+    out = []
+    for rank in range(world):
+        sampler = StatefulDistributedSampler(
+            ds, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True
+        )
+        loader = StatefulDataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True)
+        out.append(ResumableBatches(loader))
+    return out
+
+
+# ---------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize(("w_old", "w_new", "batch"), [(2, 1, 4), (1, 4, 4), (4, 2, 3)])
+def test_global_position_moves_to_a_new_world_exactly(w_old: int, w_new: int, batch: int) -> None:
+    """W ranks take k batches each, the position moves to W' ranks: together they continue
+    with exactly the samples the epoch's order has next, none twice."""
+    ds = _dataset()
+    order = _expected_order(len(ds))
+    old = _rank_batches(ds, w_old, batch)
+    seen: list[int] = []
+    for _ in range(3):
+        for b in old:
+            seen += next(b)[0].tolist()
+    pos = {b.global_position() for b in old}
+    assert pos == {(0, 3 * batch * w_old)}  # every rank computes the same
+    assert sorted(seen) == sorted(order[: 3 * batch * w_old])
+    new = _rank_batches(ds, w_new, batch)
+    epoch, consumed = pos.pop()
+    for b in new:
+        b.seek(epoch, consumed)
+    more: list[int] = []
+    for _ in range(2):
+        for b in new:
+            more += next(b)[0].tolist()
+    assert sorted(more) == sorted(order[consumed : consumed + 2 * batch * w_new])
+    assert not set(more) & set(seen)
+    assert {b.global_position() for b in new} == {(0, consumed + 2 * batch * w_new)}
+
+
+def test_same_world_state_round_trip_and_a_save_right_after_a_reshard() -> None:
+    ds = _dataset()
+    (b,) = _rank_batches(ds, 1, 4)
+    for _ in range(2):
+        next(b)
+    (c,) = _rank_batches(ds, 1, 4)
+    c.load_state_dict(b.state_dict())
+    assert next(c)[0].tolist() == next(b)[0].tolist()  # the loader's own exact state
+    (d,) = _rank_batches(ds, 1, 4)
+    d.seek(0, 8)
+    state = d.state_dict()  # no batch drawn since the reshard: no loader state yet
+    assert state["loader"] is None and state["start"] == 8
+    (e,) = _rank_batches(ds, 1, 4)
+    e.load_state_dict(state)
+    assert next(e)[0].tolist() == _expected_order(len(ds))[8:12]
+
+
+def test_seek_refuses_what_cannot_be_exact() -> None:
+    ds = _dataset()
+    two = _rank_batches(ds, 2, 4)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        two[0].seek(0, 7)
+    plain = ResumableBatches(StatefulDataLoader(ds, batch_size=4))
+    assert plain.global_position() is None
+    with pytest.raises(ValueError, match="DistributedSampler"):
+        plain.seek(0, 8)
+
+
+def test_data_position_keeps_the_global_batch_through_accumulation() -> None:
+    ds = _dataset()
+    (b,) = _rank_batches(ds, 1, 4)
+    pos = DataPosition(b, world_size=1, global_batch_size=None)
+    assert (pos.global_batch, pos.grad_accum) == (4, 1)
+    pos.load_state_dict({"world_size": 2, "global_batch": 8, "epoch": 0, "consumed": 16})
+    pos.apply()
+    assert (pos.global_batch, pos.grad_accum) == (8, 2)
+    assert b.global_position() == (0, 16)
+    (c,) = _rank_batches(ds, 1, 3)
+    bad = DataPosition(c, world_size=1, global_batch_size=None)
+    bad.load_state_dict({"world_size": 2, "global_batch": 8, "epoch": 0, "consumed": 16})
+    with pytest.raises(ConfigError, match="does not split"):
+        bad.apply()
+    with pytest.raises(ConfigError, match="does not split"):
+        DataPosition(c, world_size=1, global_batch_size=10)
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def _check_samples(rec: Path, steps: int, global_batch: int) -> list[tuple[int, int]]:
+    """Each step consumed exactly the next global batch of the epoch order, whatever world
+    size ran it; returns (world size, micro-batches) per step."""
+    order = _expected_order(len(_dataset()))
+    final = last_by_step(records(rec))
+    assert sorted(final) == list(range(steps))
+    shape = []
+    for step, recs in final.items():
+        ids = sorted(i for r in recs for i in r["ids"])
+        assert ids == sorted(order[step * global_batch : (step + 1) * global_batch]), step
+        assert len({r["world"] for r in recs}) == 1 and len(recs) == recs[0]["world"]
+        shape.append((recs[0]["world"], recs[0]["accum"]))
+    return shape
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_world_shrinks_and_grows_between_runs(tmp_path: Path, launcher: Launcher) -> None:
+    """2 ranks to step 4, 1 rank to step 8 (two micro-batches per step), 2 ranks to step 12."""
+    base = [
+        f"--run-dir={tmp_path / 'run'}",
+        f"--checkpoint-url={tmp_path / 'ckpt'}",
+        str(WORKER),
+        f"--record={tmp_path / 'rec'}",
+        "--steps=12",
+        "--save-every=100",
+        "--batch=4",
+    ]
+    for nproc, stop in [(2, 4), (1, 8), (2, None)]:
+        code, _, err = launcher.run(
+            run_cmd(f"--nproc-per-node={nproc}", *base, *([f"--stop-at={stop}"] if stop else [])),
+            timeout=120,
+        )
+        assert code == 0, err[-3000:]
+    shape = _check_samples(tmp_path / "rec", 12, global_batch=8)
+    assert shape == [(2, 1)] * 4 + [(1, 2)] * 4 + [(2, 1)] * 4
+    resharded = events(tmp_path / "run", "data.reshard")
+    assert {(e["saved_world_size"], e["world_size"], e["consumed"]) for e in resharded} == {
+        (2, 1, 32),
+        (1, 2, 64),
+    }
+
+
+# ---------------------------------------------------------------------- two hosts
+
+
+class _Hosts:
+    """Two network namespaces joined by a veth pair, on a private 10.x subnet of their own."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 10000}{random.randint(10, 99)}"
+        self.ns = [f"rsa{tag}", f"rsb{tag}"]
+        self.dev = [f"rva{tag}", f"rvb{tag}"]
+        net = f"10.{random.randint(64, 127)}.{random.randint(0, 255)}"
+        self.addr = [f"{net}.1", f"{net}.2"]
+
+    def up(self) -> None:
+        ip = ["ip"]
+        for ns in self.ns:
+            _run(*ip, "netns", "add", ns)
+        _run(*ip, "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+        for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
+            _run(*ip, "link", "set", dev, "netns", ns)
+            _run(*ip, "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _run(*ip, "-n", ns, "link", "set", dev, "up")
+            _run(*ip, "-n", ns, "link", "set", "lo", "up")
+
+    def pids(self, i: int) -> list[int]:
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.ns[i]], capture_output=True, text=True, check=False
+        )
+        return [int(p) for p in out.stdout.split()]
+
+    def kill(self, i: int) -> None:
+        """kill -9 every process of host i (the agent and its workers)."""
+        for pid in self.pids(i):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+    def down(self) -> None:
+        for i in range(2):
+            self.kill(i)
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=20)
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add)"
+    name = f"rsprobe{os.getpid()}"
+    probe = subprocess.run(
+        ["ip", "netns", "add", name], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        return f"`ip netns add` failed: {probe.stderr.strip() or probe.returncode}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_hosts_one_dies_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
+    """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2. B is killed (kill -9
+    of all its processes): A's watchdog names the silent rank, A restarts alone from the last
+    checkpoint (resharded, two micro-batches per step). B is started again: A's agent sees it
+    waiting, stops its worker with a save (zero steps lost) and both continue to the end."""
+    why = _netns_unavailable()
+    if why:
+        pytest.skip(why)
+    hosts = _Hosts()
+    procs: list[subprocess.Popen[bytes]] = []
+    rec, ckpt = tmp_path / "rec", tmp_path / "ckpt"
+
+    def agent(i: int, log: str) -> subprocess.Popen[bytes]:
+        name = "AB"[i]
+        cmd = [
+            "ip", "netns", "exec", hosts.ns[i], "env", f"GLOO_SOCKET_IFNAME={hosts.dev[i]}",
+            *run_cmd(
+                "--nnodes=1:2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={hosts.addr[0]}:29400",
+                "--rdzv-id=two-hosts",
+                f"--rdzv-conf=is_host={int(i == 0)},last_call_timeout=1,keep_alive_interval=1,"
+                "keep_alive_max_attempt=3,join_timeout=120",
+                f"--local-addr={hosts.addr[i]}",
+                f"--run-dir={tmp_path / ('run' + name)}",
+                f"--checkpoint-url={ckpt}",
+                "--restart-backoff=0.2",
+                "--restart-jitter=0",
+                str(WORKER),
+                f"--record={rec}",
+                "--steps=36",
+                "--save-every=4",
+                "--sleep=0.3",
+                '--watchdog={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3, '
+                '"timeout_s": 30, "startup_timeout_s": 60}',
+            ),
+        ]  # fmt: skip
+        with (tmp_path / log).open("wb") as out:
+            p = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), start_new_session=True
+            )
+        procs.append(p)
+        return p
+
+    def steps_at(world: int) -> int:
+        return len([r for r in records(rec) if r["world"] == world and r["rank"] == 0])
+
+    try:
+        hosts.up()
+        agent(1, "B.log")  # waits for A's rendezvous store, so both join the first round
+        time.sleep(0.5)
+        a = agent(0, "A.log")
+        wait_for(lambda: steps_at(2) >= 6, 150, "six steps on two hosts")
+        hosts.kill(1)
+        wait_for(lambda: steps_at(1) >= 4, 120, "four steps on host A alone")
+        b2 = agent(1, "B2.log")
+        assert a.wait(timeout=200) == 0, (tmp_path / "A.log").read_text()[-4000:]
+        assert b2.wait(timeout=60) == 0, (tmp_path / "B2.log").read_text()[-4000:]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+        hosts.down()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+        for p in procs:
+            kill_tree(p)
+    shape = _check_samples(rec, 36, global_batch=8)
+    worlds = [w for w, _ in shape]
+    first_one, last_one = worlds.index(1), len(worlds) - 1 - worlds[::-1].index(1)
+    assert set(worlds[:first_one]) == {2} and set(worlds[last_one + 1 :]) == {2}
+    assert set(worlds[first_one : last_one + 1]) == {1} and last_one < 35
+    assert {a for w, a in shape if w == 1} == {2}  # the global batch kept by accumulation
+    run_a = tmp_path / "runA"
+    lost = events(run_a, "fault.detected")
+    assert lost and lost[0]["kind"] == "no_heartbeat" and len(lost[0]["ranks"]) == 1
+    assert events(run_a, "restart.membership")  # B's return was admitted at a rendezvous
+    exits = [e for e in events(run_a, "preempt.exit") if e["step"] == last_one + 1]
+    assert exits and exits[0]["committed"] == last_one + 1  # stopped with a save: none lost

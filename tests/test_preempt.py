@@ -1,0 +1,202 @@
+"""Preemption: a signal to the launcher or to one worker stops every rank at one agreed step,
+commits a checkpoint inside the grace period and exits ExitCode.PREEMPTED."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Launcher
+from run_helpers import WORKER, events, kill_tree, records, run_cmd, start, wait_for, worker_pids
+
+from resilient.checkpoint import CheckpointConfig, CheckpointManager
+from resilient.errors import ConfigError
+from resilient.runtime.exitcodes import ExitCode
+from resilient.runtime.preempt import (
+    ENV_GRACE_S,
+    ENV_PREEMPT_SIGNALS,
+    PreemptConfig,
+    Preempted,
+    PreemptionWatch,
+    parse_signals,
+)
+
+# ---------------------------------------------------------------------- units
+
+
+def test_parse_signals() -> None:
+    assert parse_signals("SIGTERM, usr1,SIGUSR1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("none") == () and parse_signals("") == ()
+    for bad in ("SIGKILL", "SIGSTOP", "SIGNOPE"):
+        with pytest.raises(ConfigError):
+            parse_signals(bad)
+
+
+def test_config_from_environment_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_GRACE_S, "120")
+    monkeypatch.setenv(ENV_PREEMPT_SIGNALS, "SIGUSR1")
+    cfg = PreemptConfig.from_env()
+    assert cfg.grace_s == 120.0 and cfg.signals == ("SIGUSR1",) and cfg.exit_margin_s == 2.0
+    assert PreemptConfig.from_env({"grace_s": 5, "signals": "TERM"}).signals == ("SIGTERM",)
+    assert PreemptConfig(grace_s=5).exit_margin_s == pytest.approx(0.5)
+    monkeypatch.setenv(ENV_GRACE_S, "soon")
+    with pytest.raises(ConfigError, match="RESILIENT_GRACE_S"):
+        PreemptConfig.from_env()
+    monkeypatch.delenv(ENV_GRACE_S)
+    with pytest.raises(ConfigError, match="unknown preempt option"):
+        PreemptConfig.from_env({"grace": 3})
+    for kw in ({"grace_s": 0}, {"check_every_steps": 0}, {"grace_s": 5, "exit_margin_s": 5}):
+        with pytest.raises(ConfigError):
+            PreemptConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_watch_flags_a_signal_and_budgets_the_save() -> None:
+    previous = signal.getsignal(signal.SIGUSR1)
+    watch = PreemptionWatch(
+        PreemptConfig(signals=("SIGUSR1",), grace_s=10, exit_margin_s=1, check_every_steps=2),
+        group=None,
+        distributed=False,
+    )
+    watch.install()
+    try:
+        assert not watch.agree(force=True) and watch.remaining_s() == float("inf")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while not watch.requested and time.monotonic() < deadline:
+            time.sleep(0.001)  # the handler runs between bytecodes of the main thread
+        assert watch.requested and watch.signal_name == "SIGUSR1"
+        assert not watch.agree()  # every second call only
+        assert watch.agree() and watch.checks == 2
+        at = watch.signal_at
+        assert at is not None
+        assert watch.remaining_s(now=at + 4) == pytest.approx(5.0)  # 10 - 4 - margin 1
+        fits, est, left = watch.budget(3.0)
+        assert fits and est == 3.0 and 0 < left <= 9.0
+        assert watch.budget(None)[0]  # unknown: try (a torn save is never loaded)
+        assert not watch.budget(60.0)[0]
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == previous
+    exc = Preempted(step=7, committed=7)
+    assert isinstance(exc, SystemExit) and exc.code == ExitCode.PREEMPTED == 85
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def _committed(url: Path) -> list[int]:
+    return [i.step for i in CheckpointManager(CheckpointConfig(url=str(url))).list() if i.committed]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """No policy save happens (--save-every 100): the only checkpoint is the preemption's.
+    Zero steps lost: it holds every step completed before the stop; the next launch resumes
+    there and the run finishes with each step done once."""
+    run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
+    args = [
+        "--nproc-per-node=2",
+        f"--run-dir={run_dir}",
+        f"--checkpoint-url={ckpt}",
+        "--grace-period=20",
+        str(WORKER),
+        f"--record={rec}",
+        "--steps=10",
+        "--save-every=100",
+        "--sleep=0.3",
+    ]
+    proc = start(run_cmd(*args), tmp_path / "first.log")
+    try:
+        wait_for(lambda: len(records(rec)) >= 6, 120, "three steps on both ranks")
+        t_signal = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_tree(proc, tuple(worker_pids(run_dir).values()))
+    log = (tmp_path / "first.log").read_text()
+    assert code == ExitCode.PREEMPTED, log[-3000:]
+    stops = events(run_dir, "preempt.stop")
+    assert len(stops) == 2 and len({e["step"] for e in stops}) == 1  # one agreed step
+    stop = stops[0]["step"]
+    assert _committed(ckpt) == [stop]
+    recs = records(rec)
+    assert {r["rank"]: max(x["step"] for x in recs if x["rank"] == r["rank"]) for r in recs} == {
+        0: stop - 1,
+        1: stop - 1,
+    }  # zero steps lost: the checkpoint holds every step that ran
+    exits = events(run_dir, "preempt.exit")
+    assert {e["committed"] for e in exits} == {stop} and {e["code"] for e in exits} == {85}
+    committed_at = min(e["ts"] for e in events(run_dir, "preempt.committed"))
+    assert committed_at  # the commit was logged (timings are not asserted: shared CPUs)
+    assert "stopped at step" in log and "preempted, exit code 85" in log
+    assert time.time() - t_signal < 60
+
+    code, _, err = launcher.run(run_cmd(*args), timeout=150)
+    assert code == 0, err[-3000:]
+    recs = records(rec)
+    steps = sorted(r["step"] for r in recs if r["rank"] == 0)
+    assert steps == list(range(10))  # each step exactly once across the two launches
+    assert events(run_dir, "ckpt.load")[-1]["step"] == stop
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_signal_to_one_worker_with_no_time_left_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """SIGUSR1 to rank 1 only, as its step starts a 1 s sleep, with a 0.5 s grace: by the
+    time the ranks agree at the step boundary the budget is gone, so no save is started; every
+    rank leaves with PREEMPTED and the last policy checkpoint stays the newest valid one."""
+    run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
+    proc = start(
+        run_cmd(
+            "--nproc-per-node=2",
+            f"--run-dir={run_dir}",
+            f"--checkpoint-url={ckpt}",
+            "--grace-period=0.5",
+            str(WORKER),
+            f"--record={rec}",
+            "--steps=40",
+            "--save-every=2",
+            "--sync",
+            "--sleep=1.0",
+        ),
+        tmp_path / "run.log",
+    )
+    try:
+        wait_for(lambda: len(records(rec)) >= 4, 120, "two steps on both ranks")
+        # signal right after an even step s is recorded: its boundary (s + 1 steps done) is
+        # not a policy save, so the stop has something new to save and no time to do it
+        done = max(r["step"] for r in records(rec) if r["rank"] == 1)
+        target = done + 1 if done % 2 else done + 2
+        wait_for(
+            lambda: any(r["step"] == target for r in records(rec) if r["rank"] == 1),
+            30,
+            f"step {target} on rank 1",
+        )
+        os.kill(worker_pids(run_dir)[1], signal.SIGUSR1)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_tree(proc, tuple(worker_pids(run_dir).values()))
+    assert code == ExitCode.PREEMPTED, (tmp_path / "run.log").read_text()[-3000:]
+    skipped = events(run_dir, "preempt.skip_save")
+    assert len(skipped) == 2 and len({e["step"] for e in skipped}) == 1
+    stop = skipped[0]["step"]
+    assert all(e["remaining_s"] < e["estimate_s"] for e in skipped)
+    newest = _committed(ckpt)[-1]
+    assert newest < stop and {e["newest_valid"] for e in skipped} == {newest}
+    assert not (ckpt / f"step_{stop:09d}").exists()  # nothing started, nothing torn
+    stops = events(run_dir, "preempt.stop")
+    assert sorted(e["signalled_here"] for e in stops) == [False, True]
+    assert (
+        CheckpointManager(CheckpointConfig(url=str(ckpt))).verify(
+            newest, CheckpointManager(CheckpointConfig(url=str(ckpt))).read_manifest(newest)
+        )
+        == []
+    )
