@@ -22,6 +22,7 @@ import posixpath
 import threading
 import zlib
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,22 +39,41 @@ from torch.distributed.checkpoint.planner import ReadItem
 from resilient.errors import CheckpointCorruptError
 from resilient.storage import Storage
 
+# Writes at least this large are hashed on a helper thread while the write runs.
+_OVERLAP_MIN_BYTES = 1 << 20
+
 __all__ = ["SafeLoadPlanner", "make_reader", "make_writer", "read_metadata_safely"]
 
 
 class _HashingStream:
-    """Pass-through writer that keeps a running crc32 and byte count."""
+    """Pass-through writer that keeps a running crc32 and byte count.
 
-    def __init__(self, raw: Any) -> None:
+    With a `pool`, large writes are hashed on a helper thread while `write()` runs: both
+    release the GIL, and on a local disk write() spends most of its time off the CPU, so
+    the checksum costs almost no wall time. The helper is joined before write() returns,
+    because the buffer belongs to the caller.
+    """
+
+    def __init__(self, raw: Any, pool: ThreadPoolExecutor | None = None) -> None:
         self._raw = raw
+        self._pool = pool
         self.crc = 0
         self.size = 0
 
     def write(self, b: Any) -> int:
-        n = self._raw.write(b)
         mv = memoryview(b).cast("B")
-        n = len(mv) if n is None else n
-        self.crc = zlib.crc32(mv[:n], self.crc)
+        if self._pool is None or len(mv) < _OVERLAP_MIN_BYTES:
+            n = self._raw.write(b)
+            n = len(mv) if n is None else n
+            self.crc = zlib.crc32(mv[:n], self.crc)
+        else:
+            pending = self._pool.submit(zlib.crc32, mv, self.crc)
+            try:
+                n = self._raw.write(b)
+            finally:
+                whole = pending.result()
+            n = len(mv) if n is None else n
+            self.crc = whole if n == len(mv) else zlib.crc32(mv[:n], self.crc)
         self.size += n
         return n
 
@@ -94,8 +114,12 @@ class _HashingFileSystem:
             if "w" not in mode:
                 yield raw
                 return
-            stream = _HashingStream(raw)
-            yield stream
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-crc")
+            try:
+                stream = _HashingStream(raw, pool)
+                yield stream
+            finally:
+                pool.shutdown(wait=True)
         name = os.path.basename(os.fspath(path))
         with self._lock:
             self._sink[name] = (stream.crc, stream.size)
