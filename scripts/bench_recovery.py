@@ -1,0 +1,292 @@
+"""Recovery under `resilient run`: kill -9 of one rank until the first step after the restart,
+and SIGTERM with a grace period (steps lost, time to commit).
+
+    python scripts/bench_recovery.py            # 2 ranks, ~100 MB checkpoint, 3 kills
+    python scripts/bench_recovery.py --quick    # ~6 MB checkpoint, 1 kill; under a minute
+
+One launch of scripts/_recovery_worker.py (an MLP with AdamW, DDP on 2 ranks, a synchronous
+checkpoint every 5 steps). Each kill -9 of rank 1 is timed from the kill to the first step
+that every rank completes afterwards, split from the events the supervisor and the ranks
+log: detection (kill -> the supervisor sees the exit), restart (-> new processes spawned
+after the rendezvous; -> process group ready in the new ranks), load (-> resume done) and
+first step. The floor, measured in the same run once training is over: a bare
+`python -c "import torch; dcp.load(<the same checkpoint>)"`, from spawn to loaded; also with
+one such process per rank side by side, as the restart runs them. Then SIGTERM goes to the
+launcher: steps lost (last completed step + 1 - committed step; target 0) and the time from
+the signal to the committed checkpoint and to the launcher's exit.
+
+The last line of output is one JSON object with the figures and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "_recovery_worker.py"
+
+FLOOR = r"""
+import sys, time
+import torch
+if sys.argv[2:] == ["dynamo"]:
+    import torch._dynamo  # what DDP's constructor imports lazily (the script pays it too)
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+reader = dcp.FileSystemReader(sys.argv[1])
+md = reader.read_metadata()
+sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
+      for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+dcp.load(sd, storage_reader=reader, no_dist=True)
+print(time.time(), sum(t.numel() * t.element_size() for t in sd.values()), flush=True)
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def _events(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted((run_dir / "logs").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if rec.get("event") == name:
+                    rec["_t"] = _ts(rec["ts"])
+                    out.append(rec)
+    return out
+
+
+def _records(rec_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(rec_dir.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def _wait(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise SystemExit(f"the run ended (code {proc.returncode}) while waiting for {what}")
+        time.sleep(0.02)
+    raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+
+
+def _committed(ckpt: Path) -> list[int]:
+    return sorted(
+        int(d.name.split("_")[1]) for d in ckpt.glob("step_*") if (d / "manifest.json").exists()
+    )
+
+
+def _kill_cycle(run_dir: Path, rec: Path, ckpt: Path, proc: subprocess.Popen[bytes]) -> dict:
+    """Wait for a fresh checkpoint and two more steps, kill -9 rank 1, time the recovery."""
+    last = max(_committed(ckpt), default=-1)
+    _wait(lambda: max(_committed(ckpt), default=-1) > last, 120, "a new checkpoint", proc)
+    target = max(_committed(ckpt)) + 2
+    _wait(lambda: any(r.get("step", -1) >= target for r in _records(rec)), 60, "steps", proc)
+    inits = _events(run_dir, "runtime.init")
+    pid = max((e for e in inits if e["rank"] == 1), key=lambda e: e["_t"])["pid"]
+    attempts_before = {r.get("attempt") for r in _records(rec)}
+    t_kill = time.time()
+    os.kill(int(pid), signal.SIGKILL)
+
+    def new_records() -> list[dict[str, Any]]:
+        return [r for r in _records(rec) if r.get("attempt") not in attempts_before and "t" in r]
+
+    def first_step_done() -> bool:
+        recs = new_records()
+        return len({r["rank"] for r in recs}) == 2
+
+    _wait(first_step_done, 180, "the first step after the restart", proc)
+    recs = new_records()
+    first = min(r["step"] for r in recs)
+    t_step = max(r["t"] for r in recs if r["step"] == first)
+    after = [
+        e
+        for name in ("restart.kill_survivors", "worker.failed")
+        for e in _events(run_dir, name)
+        if e["_t"] >= t_kill - 0.01
+    ]
+    t_detect = min(e["_t"] for e in after)
+    t_spawn = min(e["_t"] for e in _events(run_dir, "attempt.start") if e["_t"] >= t_detect)
+    t_init = max(e["_t"] for e in _events(run_dir, "runtime.init") if e["_t"] >= t_spawn)
+    resumes = [e for e in _events(run_dir, "runtime.resume") if e["_t"] >= t_init]
+    t_resume = max(e["_t"] for e in resumes)
+    loads = [e for e in _events(run_dir, "ckpt.load") if e["_t"] >= t_init]
+    return {
+        "total_s": round(t_step - t_kill, 3),
+        "detection_s": round(t_detect - t_kill, 3),
+        "restart_s": round(t_init - t_detect, 3),
+        "stop_rendezvous_spawn_s": round(t_spawn - t_detect, 3),
+        "process_start_import_pg_s": round(t_init - t_spawn, 3),
+        "load_s": round(t_resume - t_init, 3),
+        "dcp_load_s": round(max(e["seconds"] for e in loads), 3) if loads else None,
+        "first_step_s": round(t_step - t_resume, 3),
+        "resumed_at": resumes[0]["step"],
+        "first_step": first,
+    }
+
+
+def _floor(step_dir: Path, procs: int, *extra: str) -> float:
+    """Seconds from spawning `procs` bare processes to the last one having loaded the
+    checkpoint (each loads all of it, as each DDP rank does)."""
+    t0 = time.time()
+    ps = [
+        subprocess.Popen(
+            [sys.executable, "-c", FLOOR, str(step_dir), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=_env(),
+        )
+        for _ in range(procs)
+    ]
+    done = []
+    for p in ps:
+        out, _ = p.communicate(timeout=300)
+        if p.returncode != 0:
+            raise SystemExit(f"floor process failed with code {p.returncode}")
+        done.append(float(out.split()[0]))
+    return max(done) - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model, one kill (< 1 min)")
+    ap.add_argument("--width", type=int, default=None, help="MLP width (checkpoint ~24*w^2 B)")
+    ap.add_argument("--kills", type=int, default=None)
+    ap.add_argument("--grace", type=float, default=None, help="grace period for the SIGTERM")
+    ap.add_argument("--out", default=None, help="keep the run here (default: a temp dir)")
+    args = ap.parse_args()
+    width = args.width or (512 if args.quick else 2048)
+    kills = args.kills or (1 if args.quick else 3)
+    grace = args.grace or (10.0 if args.quick else 30.0)
+    base = Path(args.out or tempfile.mkdtemp(prefix="bench_recovery_"))
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir, rec, ckpt = base / "run", base / "rec", base / "ckpt"
+    cmd = [
+        sys.executable, "-m", "resilient.cli", "run",
+        "--nproc-per-node=2",
+        f"--run-dir={run_dir}",
+        f"--checkpoint-url={ckpt}",
+        f"--grace-period={grace}",
+        "--restart-jitter=0",
+        str(WORKER),
+        f"--record={rec}",
+        f"--width={width}",
+        "--save-every=5",
+        "--sync",
+        "--sleep=0.05",
+        "--agree=200",
+    ]  # fmt: skip
+    print(f"bench_recovery: width {width}, {kills} kill(s), grace {grace:g} s, in {base}")
+    log = (base / "launcher.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+    cycles: list[dict[str, Any]] = []
+    sigterm: dict[str, Any] = {}
+    try:
+        for i in range(kills):
+            c = _kill_cycle(run_dir, rec, ckpt, proc)
+            cycles.append(c)
+            print(f"kill -9 #{i + 1}: " + ", ".join(f"{k} {v}" for k, v in c.items()))
+        # SIGTERM to the launcher two steps past the newest checkpoint, in the current attempt
+        _wait(lambda: len(_committed(ckpt)) > 0, 60, "a checkpoint", proc)
+        newest = max(_committed(ckpt))
+        attempt = max((r for r in _records(rec) if "t" in r), key=lambda r: r["t"])["attempt"]
+
+        def current() -> list[dict[str, Any]]:
+            return [r for r in _records(rec) if r.get("attempt") == attempt]
+
+        _wait(lambda: any(r["step"] >= newest + 2 for r in current()), 60, "steps", proc)
+        t_sig = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=grace + 60)
+        t_exit = time.time()
+        done = max(r["step"] for r in current()) + 1
+        commit = _events(run_dir, "preempt.committed")
+        exits = _events(run_dir, "preempt.exit")
+        sigterm = {
+            "grace_s": grace,
+            "exit_code": code,
+            "steps_done": done,
+            "committed": max(_committed(ckpt)),
+            "steps_lost": done - max(_committed(ckpt)),
+            "commit_s": round(max(e["_t"] for e in commit) - t_sig, 3) if commit else None,
+            "ranks_exited_s": round(max(e["_t"] for e in exits) - t_sig, 3) if exits else None,
+            "launcher_exit_s": round(t_exit - t_sig, 3),
+        }
+        print("SIGTERM: " + ", ".join(f"{k} {v}" for k, v in sigterm.items()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    step_dir = ckpt / f"step_{max(_committed(ckpt)):09d}"
+    size = sum(f.stat().st_size for f in step_dir.iterdir())
+    floor1 = statistics.median(_floor(step_dir, 1) for _ in range(1 if args.quick else 3))
+    floor2 = statistics.median(_floor(step_dir, 2) for _ in range(1 if args.quick else 3))
+    floor_ddp = statistics.median(
+        _floor(step_dir, 1, "dynamo") for _ in range(1 if args.quick else 3)
+    )
+    total = statistics.median(c["total_s"] for c in cycles)
+    agree = [r["agree_us"] for r in _records(rec) if "agree_us" in r]
+    steps = [r["s"] for r in _records(rec) if "s" in r]
+    print(
+        f"floor: 1 process {floor1:.3f} s, 2 side by side {floor2:.3f} s, 1 process that also "
+        f"imports torch._dynamo as DDP's constructor does {floor_ddp:.3f} s "
+        f"(checkpoint {size / 1e6:.1f} MB)"
+    )
+    print(
+        f"kill -9 to first step: median {total:.3f} s = {total / floor1:.2f} x the 1-process "
+        f"floor, {total / floor2:.2f} x the 2-process floor (target <= 1.3)"
+    )
+    if agree:
+        print(
+            f"preemption check (all_reduce MAX of a flag, 2 ranks, gloo): "
+            f"{statistics.mean(agree):.0f} us per step; step compute median "
+            f"{1e3 * statistics.median(steps):.1f} ms"
+        )
+    result = {
+        "bench": "recovery",
+        "quick": args.quick,
+        "checkpoint_mb": round(size / 1e6, 2),
+        "kill9": cycles,
+        "kill9_total_s": total,
+        "floor_1proc_s": round(floor1, 3),
+        "floor_2proc_s": round(floor2, 3),
+        "floor_with_ddp_import_s": round(floor_ddp, 3),
+        "ratio_vs_floor_with_ddp_import": round(total / floor_ddp, 3),
+        "ratio_vs_floor": round(total / floor1, 3),
+        "ratio_vs_2proc_floor": round(total / floor2, 3),
+        "sigterm": sigterm,
+        "agree_us": round(statistics.mean(agree), 1) if agree else None,
+        "step_ms": round(1e3 * statistics.median(steps), 2) if steps else None,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
