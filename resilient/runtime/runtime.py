@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient import log
-from resilient.checkpoint import CheckpointConfig, CheckpointManager, TrainState
+from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
 from resilient.errors import ConfigError
 from resilient.runtime.batches import ResumableBatches
@@ -153,9 +153,8 @@ class Runtime:
         )
         self.log = log.get_logger()
         self.state = TrainState()
-        self.checkpoints = CheckpointManager(
-            config.checkpoint, process_group=self.ctx.checkpoint_group
-        )
+        # one tier, or local + remote when config.checkpoint.local_url is set
+        self.checkpoints = open_manager(config.checkpoint, process_group=self.ctx.checkpoint_group)
         self.step = 0
         """Steps completed so far (the step a checkpoint taken now would carry)."""
         self._batches: ResumableBatches | None = None
