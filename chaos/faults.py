@@ -14,9 +14,9 @@ resilient phase name), times (how often it fires; default 1, `slow` unlimited), 
 this many matches pass first, e.g. skip=1 with phase=backward hits the second entry of a
 step, after the guard's agreement), restart (the TORCHELASTIC_RESTART_COUNT it fires in;
 default 0 so a restarted group runs clean; `any` for every attempt), seconds (for slow and
-hang). Each firing prints one `chaos.fault {json}` line to stderr (kind, rank, step, phase,
-wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as the chaos
-runner does for the faults it sends from outside, so `resilient report` sees both.
+hang). A fault's first firing prints one `chaos.fault {json}` line to stderr (kind, rank,
+step, phase, wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as
+the chaos runner does for the faults it sends from outside, so `resilient report` sees both.
 
 `install()` wraps `resilient.runtime.heartbeat.Progress.enter`, the one method every phase
 change goes through, so a fault fires right when a rank enters the phase: production code
@@ -85,7 +85,8 @@ class Fault:
     def fire(self, rank: int, step: int, phase: str) -> None:
         self.fired += 1
         where = f"rank {rank}, step {step}, phase {phase}"
-        _record(self.kind, rank, step, phase)
+        if self.fired == 1:  # a `slow` fault fires every step: its start is the event
+            _record(self.kind, rank, step, phase)
         if self.kind == "oom":
             import torch
 

@@ -65,10 +65,12 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def fault_time(ranks: Ranks, rank: int) -> float:
+def fault_time(ranks: Ranks, rank: int, kind: str) -> float:
     for line in ranks.output(rank).splitlines():
         if line.startswith("chaos.fault "):
-            return float(json.loads(line.split(" ", 1)[1])["time"])
+            fault = json.loads(line.split(" ", 1)[1])
+            if fault["kind"] == kind:
+                return float(fault["time"])
     raise AssertionError(f"rank {rank} never fired its fault:\n{ranks.output(rank)[-3000:]}")
 
 
@@ -110,7 +112,7 @@ def test_sleeping_rank_is_named_dumped_and_everyone_exits(tmp_path: Path) -> Non
     assert "step 6 phase forward" in stacks and "chaos/faults.py" in stacks
     assert "in fire" in stacks  # the main thread, caught sleeping
     # timeout 2 s + one 0.25 s interval; 2 s of slack for a loaded 2-core machine
-    latency = event_time(hang) - fault_time(ranks, 1)
+    latency = event_time(hang) - fault_time(ranks, 1, "hang")
     assert latency < WATCHDOG["timeout_s"] + 1 + 2, latency
 
 
@@ -126,7 +128,7 @@ def test_stopped_rank_is_reported_by_peers_and_killed(tmp_path: Path) -> None:
     assert 0 <= named["step"] <= 6  # what its peers last heard from it
     killed = latest_event(run, "watchdog.killed", rank=0)
     assert killed is not None and killed["pid"] == named["pid"]
-    latency = event_time(hang) - fault_time(ranks, 1)
+    latency = event_time(hang) - fault_time(ranks, 1, "stop")
     assert latency < WATCHDOG["heartbeat_timeout_s"] + 1 + 2, latency
 
 
@@ -141,7 +143,7 @@ def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path) ->
     exits = [e for e in events(run) if e.get("event") == "watchdog.exit"]
     assert {e["rank"] for e in exits} == {0, 2}
     latest = max(event_time(e) for e in exits)
-    assert latest - fault_time(ranks, 1) < WATCHDOG["heartbeat_timeout_s"] + 1 + 2
+    assert latest - fault_time(ranks, 1, "kill") < WATCHDOG["heartbeat_timeout_s"] + 1 + 2
 
 
 def test_rank_stuck_in_a_long_phase_is_named_by_the_monitored_barrier(tmp_path: Path) -> None:
