@@ -98,7 +98,8 @@ def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
 ) -> None:
     """No policy save happens (--save-every 100): the only checkpoint is the preemption's.
     Zero steps lost: it holds every step completed before the stop; the next launch resumes
-    there and the run finishes with each step done once."""
+    there and the run finishes with each step done once. The ranks' DataLoader workers are in
+    the process groups the agent signals, and must not take their rank down with them."""
     run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
     args = [
         "--nproc-per-node=2",
@@ -110,6 +111,7 @@ def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
         "--steps=10",
         "--save-every=100",
         "--sleep=0.3",
+        "--workers=2",  # loader workers get the launcher's SIGTERM too (they must ignore it)
     ]
     proc = start(run_cmd(*args), tmp_path / "first.log")
     try:

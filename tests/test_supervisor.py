@@ -327,3 +327,34 @@ def test_restarts_resume_from_checkpoint_then_a_crash_loop_stops(
     assert max(last_by_step(recs)) <= 6
     decided = events(run_dir, "restart.decided")
     assert [e["streak"] for e in decided] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_warns_up_front_when_a_measured_save_exceeds_the_grace_period(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """A run directory whose logs show a 50 s save, relaunched with --grace-period 30: the
+    warning comes before anything starts; a script that is not a resilient worker still runs."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "rank0.jsonl").write_text(
+        json.dumps({"event": "ckpt.save.committed", "step": 8, "seconds": 50.0}) + "\n"
+    )
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+    )
+    code, out, err = launcher.run(
+        run_cmd("--nproc-per-node=2", f"--run-dir={run_dir}", "--grace-period=30", str(script)),
+        timeout=80,
+    )
+    assert code == 0, err[-3000:]
+    assert "took 50.0 s, close to or over --grace-period 30 s" in err
+    assert sorted(line for line in out.splitlines() if line.startswith("rank")) == [
+        "rank 0 of 2",
+        "rank 1 of 2",
+    ]
+    report = json.loads((run_dir / "supervisor_report.json").read_text())
+    assert report["outcome"] == "succeeded" and report["notes"]
+    assert [a["outcome"] for a in report["attempts"]] == ["succeeded"]

@@ -175,8 +175,9 @@ class PreemptionWatch:
 
     # ------------------------------------------------------------------ signals
     def install(self) -> None:
-        """Handle the configured signals. Only from the main thread (a no-op elsewhere)."""
-        if threading.current_thread() is not threading.main_thread():
+        """Handle the configured signals (the Runtime does while steps() runs). Only from the
+        main thread (a no-op elsewhere or when installed already)."""
+        if self._previous or threading.current_thread() is not threading.main_thread():
             return
         for sig in parse_signals(",".join(self.config.signals)):
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -196,6 +197,15 @@ class PreemptionWatch:
         if self.signal_at is None:
             self.signal_at = time.monotonic()
             self.signal_name = signal.Signals(signum).name
+            # The launcher signals this rank's whole process group (Slurm: every process), so
+            # DataLoader workers die of it too, and the SIGCHLD handler the DataLoader set
+            # would raise in the middle of the step instead of letting it reach the agreed
+            # stop. The loader is not read again before the stop. SIGCHLD is numbered above
+            # SIGTERM and SIGUSR1, and Python runs pending handlers in number order: this
+            # runs first even when both are pending. (Ignoring the signal in the workers
+            # instead hung the DataLoader's shutdown, which terminates them with SIGTERM.)
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     @property
     def requested(self) -> bool:

@@ -175,7 +175,6 @@ class Runtime:
             leave_now=lambda: self.guards.failing,
         )
         self.guards.stop_requested = lambda: self.preemption.requested
-        self.preemption.install()
         self._uninstall_excepthook = install_excepthook(lambda: self.step)
         self._data: DataPosition | None = None
         self.log.info(
@@ -294,7 +293,13 @@ class Runtime:
         if stop_at is not None and not 0 <= stop_at <= total:
             raise ConfigError(f"stop_at must be in [0, total={total}], got {stop_at}")
         end = total if stop_at is None else stop_at
-        start = self.resume()
+        # preemption signals are ours only while the loop can act on them (runtime/preempt.py)
+        self.preemption.install()
+        try:
+            start = self.resume()
+        except BaseException:
+            self.preemption.uninstall()
+            raise
         try:
             for step in range(start, end):
                 self._check_preempt(start)  # may end the run with ExitCode.PREEMPTED
@@ -309,6 +314,7 @@ class Runtime:
             if self.config.save_at_end and end > start:
                 self.save(blocking=True)
         finally:
+            self.preemption.uninstall()
             self._progress.flush()
             self.watchdog.progress.enter(Phase.FINISH)
             self.checkpoints.wait()

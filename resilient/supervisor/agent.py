@@ -241,9 +241,10 @@ class SupervisedAgent(LocalElasticAgent):
             time.sleep(delay)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        if isinstance(sys.exc_info()[1], SignalException):
+        if isinstance(sys.exc_info()[1], SignalException) and death_sig in self._preempt_signals:
             # run() is forwarding a signal the launcher got: the workers have the grace period
-            # to commit; a repeated signal (Slurm, a second Ctrl-C) must not cut it short
+            # to commit; a repeated signal (Slurm signals every process of the step) must not
+            # cut it short
             for sig in self._preempt_signals:
                 with contextlib.suppress(ValueError, OSError):
                     signal.signal(sig, signal.SIG_IGN)

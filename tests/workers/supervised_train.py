@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--crash-once", action="store_true")
     p.add_argument("--extra-mb", type=int, default=0, help="extra checkpointed state (MB)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--watchdog", default=None, help="JSON overrides of the watchdog config")
     args = p.parse_args()
 
@@ -74,6 +75,7 @@ def main() -> None:
         batch_size=args.batch,
         sampler=sampler,
         drop_last=True,
+        num_workers=args.workers,
         generator=torch.Generator().manual_seed(0),
     )
     rt.track(model=model, optimizer=opt, loader=loader, global_batch_size=args.global_batch)
