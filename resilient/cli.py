@@ -3,6 +3,7 @@
 resilient run [torchrun flags] script.py [args]   torchrun with restarts, preemption, elastic
 resilient ls URL          list checkpoints: step, committed or not, size, world size
 resilient verify URL      check every file of the newest (or --step N) checkpoint
+resilient report RUN_DIR  goodput, faults and recovery from a run's event logs (--png: timeline)
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from resilient.report import analyze, format_report, plot_timeline
+
+    try:
+        rep = analyze(args.run_dir, mtbf_s=args.mtbf)
+    except FileNotFoundError as e:
+        print(f"resilient: {e}", file=sys.stderr)
+        return 2
+    print(format_report(rep))
+    if args.png:
+        print(f"timeline: {plot_timeline(args.run_dir, args.png)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:  # torchrun's flags: its own parser reads them (supervisor/config.py)
@@ -91,6 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("url", help="checkpoint directory or fsspec URL")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed")
     p.set_defaults(fn=_verify)
+    p = sub.add_parser("report", help="goodput, faults and recovery from a run's event logs")
+    p.add_argument("run_dir", help="the run directory (holds logs/rank*.jsonl)")
+    p.add_argument("--png", default=None, help="also draw the timeline into this PNG file")
+    p.add_argument(
+        "--mtbf",
+        type=float,
+        default=None,
+        help="mean time between failures for the Young/Daly optimum, in seconds "
+        "(default: measured from the run)",
+    )
+    p.set_defaults(fn=_report)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

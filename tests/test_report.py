@@ -129,3 +129,15 @@ def test_timeline_png_is_written(run_dir: Path, tmp_path: Path):
 def test_no_logs_is_a_clear_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="no events"):
         analyze(tmp_path)
+
+
+def test_cli_report_prints_the_table_and_draws(run_dir: Path, tmp_path: Path, capsys):
+    from resilient.cli import main
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    assert main(["report", str(run_dir), "--png", str(png), "--mtbf", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "goodput              0.741" in out and "Young/Daly" in out
+    assert png.exists()
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
