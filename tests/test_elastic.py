@@ -231,18 +231,23 @@ def _netns_unavailable() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_hosts_one_dies_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
-    """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2. B is killed (kill -9
-    of all its processes): A's watchdog names the silent rank, A restarts alone from the last
-    checkpoint (resharded, two micro-batches per step). B is started again: A's agent sees it
-    waiting, stops its worker with a save (zero steps lost) and both continue to the end."""
+@pytest.mark.timeout(420)
+def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
+    """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2.
+
+    1. B's link is cut: A's watchdog names the silent rank and A restarts alone from the last
+       checkpoint (resharded, two micro-batches per step). The link comes back: B's agent,
+       still waiting in the rendezvous, is admitted; A's agent stops its worker with a save
+       (zero steps lost) and both continue.
+    2. B is killed (kill -9 of all its processes): the same, and a new agent on B rejoins.
+    Every step consumes exactly the global batch an undisturbed run would.
+    """
     why = _netns_unavailable()
     if why:
         pytest.skip(why)
     hosts = _Hosts()
     procs: list[subprocess.Popen[bytes]] = []
-    rec, ckpt = tmp_path / "rec", tmp_path / "ckpt"
+    rec, ckpt, steps = tmp_path / "rec", tmp_path / "ckpt", 48
 
     def agent(i: int, log: str) -> subprocess.Popen[bytes]:
         name = "AB"[i]
@@ -263,7 +268,7 @@ def test_two_hosts_one_dies_the_other_continues_and_it_rejoins(tmp_path: Path) -
                 "--restart-jitter=0",
                 str(WORKER),
                 f"--record={rec}",
-                "--steps=36",
+                f"--steps={steps}",
                 "--save-every=4",
                 "--sleep=0.3",
                 '--watchdog={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3, '
@@ -280,16 +285,25 @@ def test_two_hosts_one_dies_the_other_continues_and_it_rejoins(tmp_path: Path) -
     def steps_at(world: int) -> int:
         return len([r for r in records(rec) if r["world"] == world and r["rank"] == 0])
 
+    def link(up: bool) -> None:
+        _run("ip", "-n", hosts.ns[1], "link", "set", hosts.dev[1], "up" if up else "down")
+
     try:
         hosts.up()
         agent(1, "B.log")  # waits for A's rendezvous store, so both join the first round
         time.sleep(0.5)
         a = agent(0, "A.log")
         wait_for(lambda: steps_at(2) >= 6, 150, "six steps on two hosts")
+        n2 = steps_at(2)
+        link(False)
+        wait_for(lambda: steps_at(1) >= 4, 120, "four steps on host A alone (link cut)")
+        link(True)
+        wait_for(lambda: steps_at(2) >= n2 + 4, 120, "four steps after B's link came back")
+        n1 = steps_at(1)
         hosts.kill(1)
-        wait_for(lambda: steps_at(1) >= 4, 120, "four steps on host A alone")
+        wait_for(lambda: steps_at(1) >= n1 + 4, 120, "four steps on host A alone (B killed)")
         b2 = agent(1, "B2.log")
-        assert a.wait(timeout=200) == 0, (tmp_path / "A.log").read_text()[-4000:]
+        assert a.wait(timeout=240) == 0, (tmp_path / "A.log").read_text()[-4000:]
         assert b2.wait(timeout=60) == 0, (tmp_path / "B2.log").read_text()[-4000:]
     finally:
         for p in procs:
@@ -301,15 +315,17 @@ def test_two_hosts_one_dies_the_other_continues_and_it_rejoins(tmp_path: Path) -
                 p.wait(timeout=10)
         for p in procs:
             kill_tree(p)
-    shape = _check_samples(rec, 36, global_batch=8)
+    shape = _check_samples(rec, steps, global_batch=8)
     worlds = [w for w, _ in shape]
-    first_one, last_one = worlds.index(1), len(worlds) - 1 - worlds[::-1].index(1)
-    assert set(worlds[:first_one]) == {2} and set(worlds[last_one + 1 :]) == {2}
-    assert set(worlds[first_one : last_one + 1]) == {1} and last_one < 35
-    assert {a for w, a in shape if w == 1} == {2}  # the global batch kept by accumulation
+    phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
+    assert phases == [2, 1, 2, 1, 2], worlds
+    assert {acc for w, acc in shape if w == 1} == {2}  # the global batch kept by accumulation
     run_a = tmp_path / "runA"
     lost = events(run_a, "fault.detected")
-    assert lost and lost[0]["kind"] == "no_heartbeat" and len(lost[0]["ranks"]) == 1
-    assert events(run_a, "restart.membership")  # B's return was admitted at a rendezvous
-    exits = [e for e in events(run_a, "preempt.exit") if e["step"] == last_one + 1]
-    assert exits and exits[0]["committed"] == last_one + 1  # stopped with a save: none lost
+    assert [e["kind"] for e in lost] == ["no_heartbeat", "no_heartbeat"]
+    assert all(len(e["ranks"]) == 1 for e in lost)
+    assert len(events(run_a, "restart.membership")) >= 2  # B admitted at a rendezvous, twice
+    # each return of B stopped A's lone worker with a save at the step training went on from
+    rejoined = [i for i in range(1, steps) if worlds[i - 1] == 1 and worlds[i] == 2]
+    saved = {e["step"] for e in events(run_a, "preempt.exit") if e["committed"] == e["step"]}
+    assert set(rejoined) <= saved, (rejoined, saved)
