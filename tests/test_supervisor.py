@@ -343,7 +343,9 @@ def test_warns_up_front_when_a_measured_save_exceeds_the_grace_period(
     )
     script = tmp_path / "hello.py"
     script.write_text(
-        "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+        # one write() per line: both ranks share the pipe and run unbuffered
+        "import os, sys\n"
+        "sys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\")\n"
     )
     code, out, err = launcher.run(
         run_cmd("--nproc-per-node=2", f"--run-dir={run_dir}", "--grace-period=30", str(script)),
