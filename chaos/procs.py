@@ -17,7 +17,16 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Run", "events", "latest_event", "torchrun_cmd", "wait_for"]
+__all__ = [
+    "Run",
+    "alive",
+    "descendants",
+    "events",
+    "kill_tree",
+    "latest_event",
+    "torchrun_cmd",
+    "wait_for",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,24 +99,65 @@ class Run:
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
-        """SIGKILL the run's whole process group (launcher, workers, dataloader workers)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the run's whole process tree: launcher, workers, dataloader workers.
+
+        Killing the launcher's process group is not enough: torch elastic starts every worker
+        in a session of its own, so the tree is collected first (killing a parent first would
+        reparent its children out of reach), then every process and group in it is killed.
+        """
+        kill_tree(self.proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.kill()
-        # a worker may outlive its launcher if the launcher was SIGKILLed: sweep the group
+        # a worker may outlive its launcher (its own session): sweep the whole tree
+        self.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, found through /proc (children before grandchildren)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its descendants and their process groups (all started by us)."""
+    pids = [pid, *descendants(pid)]
+    groups = set()
+    for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if not self._log.closed:
-            self._log.close()
+            groups.add(os.getpgid(p))
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    for g in groups - {os.getpgrp()}:  # never our own group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(g, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` runs and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def events(run_dir: Path, rank: int | None = None) -> Iterator[dict[str, Any]]:

@@ -23,7 +23,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from chaos.procs import REPO, Run, events, latest_event, torchrun_cmd, wait_for
+from chaos.procs import (
+    REPO,
+    Run,
+    alive,
+    descendants,
+    events,
+    latest_event,
+    torchrun_cmd,
+    wait_for,
+)
 from chaos.scenario import Fault, Scenario
 
 __all__ = ["Result", "run_scenario"]
@@ -230,9 +239,14 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
             rc = None
             failures.append(f"d: {e}")
         wall = run.elapsed
-        pgid = run.proc.pid
         time.sleep(0.5)  # let dataloader workers of a finished run exit
-        leftover = _group_alive(pgid)
+        # workers run in sessions of their own: look for the launcher's tree and every
+        # worker pid the run logged, not just the launcher's process group
+        worker_pids = {
+            int(e["pid"]) for e in events(out / "run") if e.get("event") == "runtime.init"
+        }
+        survivors = [p for p in (*descendants(run.proc.pid), *worker_pids) if alive(p)]
+        leftover = bool(survivors) or _group_alive(run.proc.pid)
     if rc not in (0, None):
         failures.append(f"run exited with {rc}")
     checks = _check(sc, out, gold, injected, wall, leftover, failures)

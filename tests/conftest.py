@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import structlog
 
+from chaos.procs import kill_tree
 from resilient import log
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,9 @@ def free_port() -> int:
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the process group `proc` leads (it was started with start_new_session)."""
+    """SIGKILL `proc`'s whole tree: torch elastic starts workers in sessions of their own,
+    so the process group `proc` leads would miss them."""
+    kill_tree(proc.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
         os.killpg(proc.pid, signal.SIGKILL)
 

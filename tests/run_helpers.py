@@ -19,6 +19,8 @@ from typing import Any
 
 from conftest import REPO_ROOT, WORKERS
 
+from chaos.procs import kill_tree as _kill_tree
+
 WORKER = WORKERS / "supervised_train.py"
 
 
@@ -48,7 +50,8 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def kill_tree(proc: subprocess.Popen[bytes], pids: tuple[int, ...] = ()) -> None:
-    """SIGKILL a launcher's process group and the given worker pids (own sessions)."""
+    """SIGKILL a launcher's whole tree, its process group and the given worker pids."""
+    _kill_tree(proc.pid)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,28 @@ def test_checker_fails_a_run_that_does_not_match_golden(tmp_path: Path):
     assert not result.ok
     assert result.checks["a_bitwise_equal"].startswith("fail")
     assert Path(result.run_dir, "scenario.toml").exists()  # kept for reproduction
+
+
+@pytest.mark.timeout(30)
+def test_kill_tree_reaches_a_child_in_its_own_session(tmp_path: Path):
+    """torch elastic starts each worker in a session of its own: killing the launcher's
+    process group would leave it running, so Run.kill() kills the whole tree."""
+    import sys
+    import time
+
+    from chaos.procs import Run, alive, descendants
+
+    child = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True); time.sleep(60)"
+    )
+    with Run([sys.executable, "-c", child], log_path=tmp_path / "log") as run:
+        deadline = time.monotonic() + 10
+        while not descendants(run.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (grandchild,) = descendants(run.proc.pid)
+        assert os.getpgid(grandchild) != os.getpgid(run.proc.pid)
+        run.kill()
+    assert not alive(run.proc.pid)
+    assert not alive(grandchild)
