@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from recipes.common.data import build_dataset
 from resilient.errors import ConfigError
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.elastic import DataPosition
+from resilient.runtime.exitcodes import ExitCode
 
 SEED = 0
 
@@ -233,7 +235,7 @@ def _netns_unavailable() -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
-    """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2.
+    """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2, until SIGTERM to A.
 
     1. B's link is cut: A's watchdog names the silent rank and A restarts alone from the last
        checkpoint (resharded, two micro-batches per step). The link comes back: B's agent,
@@ -247,7 +249,7 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
         pytest.skip(why)
     hosts = _Hosts()
     procs: list[subprocess.Popen[bytes]] = []
-    rec, ckpt, steps = tmp_path / "rec", tmp_path / "ckpt", 48
+    rec, ckpt = tmp_path / "rec", tmp_path / "ckpt"
 
     def agent(i: int, log: str) -> subprocess.Popen[bytes]:
         name = "AB"[i]
@@ -268,7 +270,7 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
                 "--restart-jitter=0",
                 str(WORKER),
                 f"--record={rec}",
-                f"--steps={steps}",
+                "--steps=400",  # more than the test needs: it ends the run with SIGTERM
                 "--save-every=4",
                 "--sleep=0.3",
                 '--watchdog={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3, '
@@ -313,9 +315,14 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
         n1 = len(at(1))
         hosts.kill(1)
         wait_for(lambda: len(at(1)) >= n1 + 4, 120, "four steps on host A alone (B killed)")
+        n2 = len(at(2))
         b2 = agent(1, "B2.log")
-        assert a.wait(timeout=240) == 0, (tmp_path / "A.log").read_text()[-4000:]
-        assert b2.wait(timeout=60) == 0, (tmp_path / "B2.log").read_text()[-4000:]
+        wait_for(lambda: len(at(2)) > n2, 120, "the new agent on B admitted")
+        back = at(2)[n2]
+        wait_for(lambda: committed() >= back + 4, 120, "a checkpoint after the second return")
+        a.send_signal(signal.SIGTERM)  # the end: both hosts stop at one step with a save
+        assert a.wait(timeout=120) == ExitCode.PREEMPTED, (tmp_path / "A.log").read_text()[-4000:]
+        assert b2.wait(timeout=60) == ExitCode.PREEMPTED, (tmp_path / "B2.log").read_text()[-4000:]
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -326,6 +333,8 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
                 p.wait(timeout=10)
         for p in procs:
             kill_tree(p)
+    steps = committed()  # the stop's checkpoint: every step before it ran, none after
+    assert steps == max(r["step"] for r in records(rec)) + 1
     shape = _check_samples(rec, steps, global_batch=8)
     worlds = [w for w, _ in shape]
     phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
