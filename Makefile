@@ -2,7 +2,7 @@
 # Each creates .venv in the checkout first (scripts/setup.sh; a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench soak clean
 setup:
 	@bash scripts/setup.sh
 
@@ -15,8 +15,15 @@ test: setup
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
+# the long soak of docs/chaos.md: 200 seeded fault schedules, two at a time (about an hour)
+SOAK_SEED ?= 2026
+SOAK_RUNS ?= 200
+soak: setup
+	$(PY) -m chaos --out chaos-output soak --seed $(SOAK_SEED) --runs $(SOAK_RUNS) --jobs 2 \
+		--summary chaos-output/soak-$(SOAK_SEED).json
+
 bench: setup
 	$(PY) scripts/bench_checkpoint.py
 
 clean:
-	rm -rf .venv demo-output bench-output runs checkpoints
+	rm -rf .venv demo-output bench-output chaos-output runs checkpoints

@@ -3,12 +3,20 @@
 python -m chaos run FILE.toml [FILE.toml ...]   run the given scenarios
 python -m chaos matrix                          every scenario in chaos/scenarios/ (CI's set)
 python -m chaos soak --seed 7 --runs 200        seeded random fault schedules
+python -m chaos soak --seed 7 --runs 200 --jobs 2 --summary soak.json
+
+A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
+and prints the one command that runs it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 from chaos.procs import REPO
@@ -34,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("soak")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--runs", type=int, default=200)
+    s.add_argument("--first", type=int, default=0, help="skip the schedules before this one")
+    for q in (r, s):
+        q.add_argument("--jobs", type=int, default=1, help="scenarios run side by side")
+        q.add_argument("--summary", type=Path, default=None, help="write every result as JSON")
     args = p.parse_args(argv)
 
     if args.cmd == "run":
@@ -41,14 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "matrix":
         scenarios = [Scenario.load(f) for f in sorted(SCENARIOS.glob("*.toml"))]
     else:
-        scenarios = generate(args.seed, args.runs)
-    passed = 0
-    for sc in scenarios:
-        result = run_scenario(sc, args.out, keep=args.keep)
-        print(describe(result), flush=True)
-        passed += result.ok
-    print(f"chaos: {passed} passed, {len(scenarios) - passed} failed")
-    return 0 if passed == len(scenarios) else 1
+        scenarios = generate(args.seed, args.runs)[args.first :]
+    started = time.monotonic()
+    jobs = max(1, getattr(args, "jobs", 1))
+    with ThreadPoolExecutor(jobs) as pool:  # each scenario is its own process tree
+        results = []
+        for result in pool.map(lambda sc: run_scenario(sc, args.out, keep=args.keep), scenarios):
+            print(describe(result), flush=True)
+            results.append(result)
+    passed = sum(r.ok and not r.skipped for r in results)
+    skipped = sum(bool(r.skipped) for r in results)
+    failed = len(results) - passed - skipped
+    wall = time.monotonic() - started
+    print(f"chaos: {passed} passed, {failed} failed, {skipped} skipped in {wall:.0f} s")
+    if getattr(args, "summary", None):
+        args.summary.write_text(
+            json.dumps([asdict(r) for r in results], indent=1, default=str) + "\n"
+        )
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

@@ -64,10 +64,11 @@ class Run:
         log_path: Path,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        append: bool = False,
     ) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
-        self._log = log_path.open("wb")
+        self._log = log_path.open("ab" if append else "wb")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             list(cmd),

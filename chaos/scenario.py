@@ -30,11 +30,28 @@ __all__ = ["FAULT_KINDS", "Fault", "Scenario", "generate"]
 
 FAULT_KINDS = {
     "kill": "SIGKILL one worker",
+    "sigstop": "SIGSTOP one worker (a hang the rank cannot report itself)",
+    "sigterm": "SIGTERM to the launcher (a spot preemption); the run is launched again",
+    "sigterm_rank": "SIGTERM to one worker; the run is launched again",
+    "raise": "RuntimeError raised inside one rank at (step, phase)",
+    "oom": "torch.OutOfMemoryError raised inside one rank at (step, phase)",
+    "hang": "one rank's main thread sleeps for ever at (step, phase)",
     "corrupt": "flip a byte in a data file of the newest checkpoint, then SIGKILL a worker",
     "truncate": "cut a data file of the newest checkpoint in half, then SIGKILL a worker",
     "delete": "delete a data file of the newest checkpoint, then SIGKILL a worker",
     "kill_during_save": "SIGKILL a worker while a checkpoint is being written",
+    "storage_errors": "the S3 proxy answers the next `count` writes with 503 SlowDown",
+    "storage_latency": "the S3 proxy holds the next `count` writes for `seconds` each",
+    "disk_full": "fill the checkpoint disk (a tmpfs) until a save fails, then free it",
 }
+IN_PROCESS = {"raise", "oom", "hang"}
+"""Installed inside the ranks by `python -m chaos.inject`, not sent from outside."""
+PREEMPTIONS = {"sigterm", "sigterm_rank"}
+"""End the launch with ExitCode.PREEMPTED; the runner launches the same command again."""
+NO_RESTART = {"storage_errors", "storage_latency"}
+"""Retried inside the save: the run goes on without a restart."""
+S3_ONLY = {"storage_errors", "storage_latency"}
+_PHASES = ("data", "forward", "backward", "optimizer", "step")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,13 +61,29 @@ class Fault:
     rank: int = 1
     """The worker that gets the signal."""
     at_step: int = 8
-    """Inject once rank 0 has run this step (in the current attempt)."""
+    """Inject once rank 0 has run this step (in the current attempt); in-process faults
+    fire when the rank enters `phase` of this step."""
+    phase: str = "forward"
+    """For in-process faults: data, forward, backward, optimizer or step."""
+    count: int = 4
+    """For storage faults: how many requests fail or are held."""
+    seconds: float = 1.0
+    """For storage_latency: how long each request is held."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(FAULT_KINDS)}")
         if self.at_step < 1:
             raise ValueError(f"at_step must be >= 1, got {self.at_step}")
+        if self.phase not in _PHASES:
+            raise ValueError(f"phase must be one of {_PHASES}, got {self.phase!r}")
+        if self.count < 1 or self.seconds < 0:
+            raise ValueError(f"count must be >= 1 and seconds >= 0 ({self.count}, {self.seconds})")
+
+    @property
+    def restarts(self) -> bool:
+        """Ends the attempt: the group restarts (or, for a preemption, is launched again)."""
+        return self.kind not in NO_RESTART
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,6 +97,11 @@ class Scenario:
     seed: int = 1234
     corpus_chars: int = 20_000
     max_restarts: int = 4
+    storage: str = "local"
+    """Where checkpoints go: "local" (a directory; a small tmpfs when a disk_full fault is
+    scheduled) or "s3" (moto's server on loopback, behind the fault proxy)."""
+    grace_s: float = 30.0
+    """The preemption grace period given to `resilient run`."""
     timeout_s: float = 300.0
     """The whole faulty run must end within this."""
     faults: list[Fault] = field(default_factory=list)
@@ -76,6 +114,13 @@ class Scenario:
                 raise ValueError(f"{self.name}: fault rank {f.rank} not in [0, {self.nproc})")
         if len(self.faults) >= self.max_restarts:
             raise ValueError(f"{self.name}: {len(self.faults)} faults need max_restarts > that")
+        if self.storage not in ("local", "s3"):
+            raise ValueError(f"{self.name}: storage must be local or s3, got {self.storage!r}")
+        kinds = {f.kind for f in self.faults}
+        if kinds & S3_ONLY and self.storage != "s3":
+            raise ValueError(f'{self.name}: {sorted(kinds & S3_ONLY)} need storage = "s3"')
+        if "disk_full" in kinds and self.storage != "local":
+            raise ValueError(f'{self.name}: disk_full needs storage = "local"')
 
     def golden_key(self) -> str:
         """Runs with equal keys must end with equal bits."""
@@ -126,18 +171,33 @@ def generate(
 ) -> list[Scenario]:
     """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly."""
     rng = random.Random(seed)
-    kinds = sorted(FAULT_KINDS)
     out = []
     for i in range(count):
+        storage = "s3" if rng.random() < 0.25 else "local"
+        kinds = sorted(k for k in FAULT_KINDS if storage == "s3" or k not in S3_ONLY)
+        if storage == "s3":
+            kinds.remove("disk_full")
         n = rng.randint(1, max_faults)
-        at = sorted(rng.sample(range(save_every + 1, steps - 1), n))
-        faults = [Fault(kind=rng.choice(kinds), rank=rng.randint(0, 1), at_step=s) for s in at]
+        # a save between faults, and one before the end, so every fault meets a save
+        at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
+        storage_kinds = sorted(S3_ONLY) if storage == "s3" else []
+        faults = [
+            Fault(
+                # on S3, half the faults are the storage's own
+                kind=rng.choice(storage_kinds if storage_kinds and rng.random() < 0.5 else kinds),
+                rank=rng.randint(0, 1),
+                at_step=s,
+                phase=rng.choice(_PHASES),
+            )
+            for s in at
+        ]
         out.append(
             Scenario(
                 name=f"soak-{seed}-{i:04d}",
                 steps=steps,
                 save_every=save_every,
                 recipe=rng.choice(["train_ddp.py", "train_fsdp.py"]),
+                storage=storage,
                 faults=faults,
             )
         )

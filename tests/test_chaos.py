@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from chaos.__main__ import SCENARIOS
-from chaos.runner import golden, run_scenario
-from chaos.scenario import Fault, Scenario, generate
+from chaos.runner import golden, plan, run_scenario
+from chaos.scenario import FAULT_KINDS, Fault, Scenario, generate
 
 
 def test_scenario_toml_round_trip(tmp_path: Path):
@@ -27,6 +27,10 @@ def test_scenario_toml_round_trip(tmp_path: Path):
         ({"name": "x", "colour": "red"}, "unknown scenario keys"),
         ({"name": "x", "steps": 5, "fault": [{"kind": "kill", "at_step": 7}]}, ">= steps"),
         ({"name": "x", "fault": [{"kind": "kill", "rank": 2}]}, "not in [0, 2)"),
+        ({"name": "x", "fault": [{"kind": "storage_errors"}]}, 'need storage = "s3"'),
+        ({"name": "x", "storage": "s3", "fault": [{"kind": "disk_full"}]}, "disk_full needs"),
+        ({"name": "x", "storage": "nfs"}, "storage must be local or s3"),
+        ({"name": "x", "fault": [{"kind": "raise", "phase": "lunch"}]}, "phase must be one of"),
     ],
 )
 def test_bad_scenarios_are_refused_with_the_reason(data: dict, message: str):
@@ -35,13 +39,37 @@ def test_bad_scenarios_are_refused_with_the_reason(data: dict, message: str):
 
 
 def test_generator_is_seeded_and_valid():
-    a, b = generate(7, 50), generate(7, 50)
+    a, b = generate(7, 200), generate(7, 200)
     assert a == b
-    assert generate(8, 50) != a
+    assert generate(8, 200) != a
     kinds = {f.kind for sc in a for f in sc.faults}
-    assert {"kill", "corrupt", "kill_during_save"} <= kinds
+    assert kinds == set(FAULT_KINDS)  # 200 schedules draw every kind
+    assert {sc.storage for sc in a} == {"local", "s3"}
     for sc in a:  # Scenario's own checks ran at construction; faults land after a save
-        assert all(sc.save_every < f.at_step < sc.steps for f in sc.faults)
+        assert all(sc.save_every < f.at_step < sc.steps - sc.save_every for f in sc.faults)
+
+
+def test_plan_counts_attempts_and_launches():
+    """A preemption ends the launch (the runner launches again, restart count back to 0); a
+    retried storage fault ends nothing; every other fault restarts the group."""
+    sc = Scenario(
+        name="p",
+        storage="s3",
+        max_restarts=5,
+        faults=[
+            Fault(kind="raise", at_step=5),
+            Fault(kind="storage_errors", at_step=7),
+            Fault(kind="sigterm", at_step=9),
+            Fault(kind="oom", at_step=11),
+        ],
+    )
+    got = [(p.fault.kind, p.launch, p.restart, p.attempt) for p in plan(sc)]
+    assert got == [
+        ("raise", 0, 0, 0),
+        ("storage_errors", 0, 1, 1),
+        ("sigterm", 0, 1, 1),
+        ("oom", 1, 0, 2),
+    ]
 
 
 @pytest.mark.slow
@@ -50,6 +78,8 @@ def test_generator_is_seeded_and_valid():
 def test_matrix_scenario_keeps_every_invariant(path: Path, tmp_path_factory):
     out = tmp_path_factory.getbasetemp() / "chaos"  # shared: golden runs are computed once
     result = run_scenario(Scenario.load(path), out)
+    if result.skipped:
+        pytest.skip(result.skipped)  # disk_full without root: no tmpfs to fill
     assert result.ok, f"{result.failures}\n{result.checks}\nkept in {result.run_dir}"
     assert result.checks["a_bitwise_equal"] == "pass"
     assert result.checks["e_no_leftover"] == "pass"
