@@ -43,6 +43,8 @@ FAULT_KINDS = {
     "storage_errors": "the S3 proxy answers the next `count` writes with 503 SlowDown",
     "storage_latency": "the S3 proxy holds the next `count` writes for `seconds` each",
     "disk_full": "fill the checkpoint disk (a tmpfs) until a save fails, then free it",
+    "node_loss": "kill -9 every process of the second host (a network namespace of its own) "
+    "in a two-host run; the first host goes on alone",
 }
 IN_PROCESS = {"raise", "oom", "hang"}
 """Installed inside the ranks by `python -m chaos.inject`, not sent from outside."""
@@ -51,6 +53,8 @@ PREEMPTIONS = {"sigterm", "sigterm_rank"}
 NO_RESTART = {"storage_errors", "storage_latency"}
 """Retried inside the save: the run goes on without a restart."""
 S3_ONLY = {"storage_errors", "storage_latency"}
+TWO_HOSTS = {"node_loss"}
+"""Need `hosts = 2`; a two-host scenario has only these."""
 _PHASES = ("data", "forward", "backward", "optimizer", "step")
 
 
@@ -91,6 +95,10 @@ class Scenario:
     name: str
     recipe: str = "train_ddp.py"
     nproc: int = 2
+    """Workers per host."""
+    hosts: int = 1
+    """1, or 2: two network namespaces on this machine (root only), one agent each, rendezvous
+    on the first; the world may shrink to the first host when the second is lost."""
     steps: int = 24
     save_every: int = 4
     workers: int = 0
@@ -110,8 +118,10 @@ class Scenario:
         for f in self.faults:
             if f.at_step >= self.steps:
                 raise ValueError(f"{self.name}: fault at step {f.at_step} >= steps {self.steps}")
-            if not 0 <= f.rank < self.nproc:
-                raise ValueError(f"{self.name}: fault rank {f.rank} not in [0, {self.nproc})")
+            if not 0 <= f.rank < self.nproc * self.hosts:
+                raise ValueError(
+                    f"{self.name}: fault rank {f.rank} not in [0, {self.nproc * self.hosts})"
+                )
         if len(self.faults) >= self.max_restarts:
             raise ValueError(f"{self.name}: {len(self.faults)} faults need max_restarts > that")
         if self.storage not in ("local", "s3"):
@@ -121,12 +131,21 @@ class Scenario:
             raise ValueError(f'{self.name}: {sorted(kinds & S3_ONLY)} need storage = "s3"')
         if "disk_full" in kinds and self.storage != "local":
             raise ValueError(f'{self.name}: disk_full needs storage = "local"')
+        if self.hosts not in (1, 2):
+            raise ValueError(f"{self.name}: hosts must be 1 or 2, got {self.hosts}")
+        if (self.hosts == 2) != bool(kinds & TWO_HOSTS) or (self.hosts == 2 and kinds - TWO_HOSTS):
+            raise ValueError(
+                f"{self.name}: {sorted(TWO_HOSTS)} need hosts = 2, and a two-host scenario has "
+                f"only those faults (got hosts = {self.hosts}, faults {sorted(kinds)})"
+            )
+        if self.hosts == 2 and (len(self.faults) != 1 or self.faults[0].rank < self.nproc):
+            raise ValueError(f"{self.name}: one node_loss, on a rank of the second host")
 
     def golden_key(self) -> str:
         """Runs with equal keys must end with equal bits."""
         return (
-            f"{self.recipe}-n{self.nproc}-s{self.steps}-e{self.save_every}-w{self.workers}"
-            f"-seed{self.seed}-c{self.corpus_chars}"
+            f"{self.recipe}-n{self.nproc * self.hosts}-s{self.steps}-e{self.save_every}"
+            f"-w{self.workers}-seed{self.seed}-c{self.corpus_chars}"
         ).replace(".py", "")
 
     @classmethod
@@ -174,7 +193,9 @@ def generate(
     out = []
     for i in range(count):
         storage = "s3" if rng.random() < 0.25 else "local"
-        kinds = sorted(k for k in FAULT_KINDS if storage == "s3" or k not in S3_ONLY)
+        kinds = sorted(
+            k for k in FAULT_KINDS if (storage == "s3" or k not in S3_ONLY) and k not in TWO_HOSTS
+        )
         if storage == "s3":
             kinds.remove("disk_full")
         n = rng.randint(1, max_faults)

@@ -31,6 +31,11 @@ def test_scenario_toml_round_trip(tmp_path: Path):
         ({"name": "x", "storage": "s3", "fault": [{"kind": "disk_full"}]}, "disk_full needs"),
         ({"name": "x", "storage": "nfs"}, "storage must be local or s3"),
         ({"name": "x", "fault": [{"kind": "raise", "phase": "lunch"}]}, "phase must be one of"),
+        ({"name": "x", "fault": [{"kind": "node_loss"}]}, "need hosts = 2"),
+        (
+            {"name": "x", "hosts": 2, "nproc": 1, "fault": [{"kind": "node_loss", "rank": 0}]},
+            "on a rank of the second host",
+        ),
     ],
 )
 def test_bad_scenarios_are_refused_with_the_reason(data: dict, message: str):
@@ -43,7 +48,7 @@ def test_generator_is_seeded_and_valid():
     assert a == b
     assert generate(8, 200) != a
     kinds = {f.kind for sc in a for f in sc.faults}
-    assert kinds == set(FAULT_KINDS)  # 200 schedules draw every kind
+    assert kinds == set(FAULT_KINDS) - {"node_loss"}  # every one-host kind, in 200 schedules
     assert {sc.storage for sc in a} == {"local", "s3"}
     for sc in a:  # Scenario's own checks ran at construction; faults land after a save
         assert all(sc.save_every < f.at_step < sc.steps - sc.save_every for f in sc.faults)

@@ -5,8 +5,6 @@ and comes back."""
 from __future__ import annotations
 
 import contextlib
-import os
-import random
 import signal
 import subprocess
 import time
@@ -20,6 +18,7 @@ from run_helpers import WORKER, env, events, kill_tree, last_by_step, records, r
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from chaos.netns import Hosts, netns_unavailable
 from recipes.common.data import build_dataset
 from resilient.errors import ConfigError
 from resilient.runtime.batches import ResumableBatches
@@ -175,63 +174,6 @@ def test_world_shrinks_and_grows_between_runs(tmp_path: Path, launcher: Launcher
 # ---------------------------------------------------------------------- two hosts
 
 
-class _Hosts:
-    """Two network namespaces joined by a veth pair, on a private 10.x subnet of their own."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 10000}{random.randint(10, 99)}"
-        self.ns = [f"rsa{tag}", f"rsb{tag}"]
-        self.dev = [f"rva{tag}", f"rvb{tag}"]
-        net = f"10.{random.randint(64, 127)}.{random.randint(0, 255)}"
-        self.addr = [f"{net}.1", f"{net}.2"]
-
-    def up(self) -> None:
-        ip = ["ip"]
-        for ns in self.ns:
-            _run(*ip, "netns", "add", ns)
-        _run(*ip, "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-        for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
-            _run(*ip, "link", "set", dev, "netns", ns)
-            _run(*ip, "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _run(*ip, "-n", ns, "link", "set", dev, "up")
-            _run(*ip, "-n", ns, "link", "set", "lo", "up")
-
-    def pids(self, i: int) -> list[int]:
-        out = subprocess.run(
-            ["ip", "netns", "pids", self.ns[i]], capture_output=True, text=True, check=False
-        )
-        return [int(p) for p in out.stdout.split()]
-
-    def kill(self, i: int) -> None:
-        """kill -9 every process of host i (the agent and its workers)."""
-        for pid in self.pids(i):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-
-    def down(self) -> None:
-        for i in range(2):
-            self.kill(i)
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=20)
-
-
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (ip netns add)"
-    name = f"rsprobe{os.getpid()}"
-    probe = subprocess.run(
-        ["ip", "netns", "add", name], capture_output=True, text=True, check=False
-    )
-    if probe.returncode != 0:
-        return f"`ip netns add` failed: {probe.stderr.strip() or probe.returncode}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
@@ -244,17 +186,17 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
     2. B is killed (kill -9 of all its processes): the same, and a new agent on B rejoins.
     Every step consumes exactly the global batch an undisturbed run would.
     """
-    why = _netns_unavailable()
+    why = netns_unavailable()
     if why:
         pytest.skip(why)
-    hosts = _Hosts()
+    hosts = Hosts()
     procs: list[subprocess.Popen[bytes]] = []
     rec, ckpt = tmp_path / "rec", tmp_path / "ckpt"
 
     def agent(i: int, log: str) -> subprocess.Popen[bytes]:
         name = "AB"[i]
         cmd = [
-            "ip", "netns", "exec", hosts.ns[i], "env", f"GLOO_SOCKET_IFNAME={hosts.dev[i]}",
+            *hosts.exec_prefix(i),
             *run_cmd(
                 "--nnodes=1:2",
                 "--nproc-per-node=1",
@@ -291,9 +233,6 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
         done = [int(d.name[5:]) for d in ckpt.glob("step_*") if (d / "manifest.json").exists()]
         return max(done, default=-1)
 
-    def link(up: bool) -> None:
-        _run("ip", "-n", hosts.ns[1], "link", "set", hosts.dev[1], "up" if up else "down")
-
     try:
         hosts.up()
         agent(1, "B.log")  # waits for A's rendezvous store, so both join the first round
@@ -302,9 +241,9 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
         # each two-host phase outlives a checkpoint, so no replay hides it in the step record
         wait_for(lambda: len(at(2)) >= 6 and committed() >= 4, 150, "a checkpoint on two hosts")
         n2 = len(at(2))
-        link(False)
+        hosts.link(False)
         wait_for(lambda: len(at(1)) >= 4, 120, "four steps on host A alone (link cut)")
-        link(True)
+        hosts.link(True)
         wait_for(lambda: len(at(2)) > n2, 120, "B's return after its link came back")
         back = at(2)[n2]  # the step the two hosts went on from (committed by the stop)
         wait_for(
