@@ -583,6 +583,7 @@ def _check(
     ]
     lost: list[int | None] = []
     damaged: dict[int, float] = {}  # step -> when it was damaged
+    why: list[str] = []
     for p, inj in zip(planned, injected, strict=False):
         if inj.corrupted_step is not None:
             damaged[inj.corrupted_step] = inj.wall_time
@@ -618,12 +619,25 @@ def _check(
                 f"b1: fault at attempt {k} ({inj.kind}) resumed at {resumed}, older than the "
                 f"newest valid checkpoint {newest_valid}"
             )
+        # the last save due before the fault; if it had committed intact, the fault may cost
+        # less than one interval; if it was still in flight (async) or the fault damaged it,
+        # the previous one is what there is
+        due = completed // sc.save_every * sc.save_every
+        if due in valid and completed - resumed > sc.save_every:
+            failures.append(
+                f"b0: fault at attempt {k} ({inj.kind}) lost {completed - resumed} steps with "
+                f"step {due} committed intact: more than the interval {sc.save_every}"
+            )
         if completed - newest > 2 * sc.save_every:
             failures.append(
                 f"b2: fault at attempt {k} ({inj.kind}) at step {completed} with the newest "
                 f"checkpoint at {newest}: more than 2 intervals behind"
             )
-    checks["b_steps_lost"] = f"{lost} (interval {sc.save_every})"
+        if due and due not in valid:
+            why.append(f"{inj.kind}: save {due} " + ("damaged" if due in damaged else "in flight"))
+    checks["b_steps_lost"] = f"{lost} (interval {sc.save_every})" + (
+        f"; over one interval allowed: {', '.join(why)}" if why else ""
+    )
     # c. nothing that failed verification was loaded
     loads = [e for e in events(run_dir, 0) if e.get("event") == "ckpt.load"]
     bad = {i.corrupted_step for i in injected if i.corrupted_step is not None}
