@@ -4,6 +4,7 @@ python -m chaos run FILE.toml [FILE.toml ...]   run the given scenarios
 python -m chaos matrix                          every scenario in chaos/scenarios/ (CI's set)
 python -m chaos soak --seed 7 --runs 200        seeded random fault schedules
 python -m chaos soak --seed 7 --runs 200 --jobs 2 --summary soak.json
+python -m chaos summary soak.json                a soak's results as a Markdown table
 
 A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
 and prints the one command that runs it again.
@@ -43,11 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--runs", type=int, default=200)
     s.add_argument("--first", type=int, default=0, help="skip the schedules before this one")
+    summ = sub.add_parser("summary", help="a soak's --summary JSON as a Markdown table")
+    summ.add_argument("file", type=Path)
     for q in (r, s):
         q.add_argument("--jobs", type=int, default=1, help="scenarios run side by side")
         q.add_argument("--summary", type=Path, default=None, help="write every result as JSON")
     args = p.parse_args(argv)
 
+    if args.cmd == "summary":
+        from chaos.summary import main as summary
+
+        return summary(args.file)
     if args.cmd == "run":
         scenarios = [Scenario.load(f) for f in args.files]
     elif args.cmd == "matrix":

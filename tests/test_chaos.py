@@ -130,3 +130,35 @@ def test_kill_tree_reaches_a_child_in_its_own_session(tmp_path: Path):
         run.kill()
     assert not alive(run.proc.pid)
     assert not alive(grandchild)
+
+
+def test_soak_summary_counts_kinds_losses_and_failures():
+    from chaos.summary import summarize
+
+    a, b = generate(5, 2)
+    results = [
+        {
+            "scenario": a.name,
+            "ok": True,
+            "wall_s": 30.0,
+            "golden_wall_s": 10.0,
+            "checks": {"b_steps_lost": f"[{', '.join('3' for _ in a.faults)}] (interval 4)"},
+            "faults": [{"kind": f.kind} for f in a.faults],
+            "failures": [],
+        },
+        {
+            "scenario": b.name,
+            "ok": False,
+            "wall_s": 20.0,
+            "golden_wall_s": 10.0,
+            "checks": {"b_steps_lost": f"[{', '.join('6' for _ in b.faults)}] (interval 4)"},
+            "faults": [{"kind": f.kind} for f in b.faults],
+            "failures": ["a: final digest x != golden y"],
+        },
+    ]
+    text = summarize(results)
+    assert text.startswith("2 scenarios: 1 passed, 1 failed, 0 skipped.")
+    for f in b.faults:
+        assert f"| `{f.kind}` |" in text
+    assert "median 2.50, max 3.00" in text
+    assert f"- {b.name}: a: final digest x != golden y" in text
