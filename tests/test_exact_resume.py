@@ -2,7 +2,9 @@
 
 2k steps straight vs k steps, every process gone, then k more in fresh processes: the full
 model and optimizer state must be bit-for-bit equal. The same after a kill -9 of one rank
-under torchrun --max-restarts. A small corpus makes the runs cross an epoch boundary.
+under torchrun --max-restarts, and for DDP on 3 ranks, where a different gradient-bucket
+layout in the resumed process's first step would change gloo's sums (resilient.runtime._ddp).
+A small corpus makes the runs cross an epoch boundary.
 """
 
 from __future__ import annotations
@@ -22,12 +24,21 @@ K = 12  # steps per half; the corpus below gives 19 steps per epoch, so 2K cross
 COMMON = ["--corpus-chars", "20000", "--batch-size", "8", "--save-every", "4", "--log-every", "1"]
 
 
-def _run(recipe: str, out: Path, stop_at: int, *, workers: int = 0, max_restarts: int = 0) -> Run:
-    """A 2K-step schedule that leaves after `stop_at` steps."""
+def _run(
+    recipe: str,
+    out: Path,
+    stop_at: int,
+    *,
+    workers: int = 0,
+    max_restarts: int = 0,
+    k: int = K,
+    nproc: int = 2,
+) -> Run:
+    """A 2k-step schedule on `nproc` ranks that leaves after `stop_at` steps."""
     args = [
         *COMMON,
         "--steps",
-        str(2 * K),
+        str(2 * k),
         "--stop-at",
         str(stop_at),
         "--workers",
@@ -38,7 +49,7 @@ def _run(recipe: str, out: Path, stop_at: int, *, workers: int = 0, max_restarts
         str(out / "run"),
     ]
     return Run(
-        torchrun_cmd(REPO / "recipes" / recipe, args, max_restarts=max_restarts),
+        torchrun_cmd(REPO / "recipes" / recipe, args, nproc=nproc, max_restarts=max_restarts),
         log_path=out / f"stdout-{stop_at}.log",
         env={"PYTHONUNBUFFERED": "1"},
     )
@@ -103,3 +114,25 @@ def test_kill_9_one_rank_under_torchrun_restart_is_bit_exact(golden: dict, tmp_p
     assert resumed["step"] >= committed["step"]
     assert resumed["step"] % 4 == 0
     assert _digest(tmp_path)["digest"] == golden["train_ddp.py"]["digest"]
+
+
+@pytest.mark.timeout(300)  # three launches of 3 ranks on a small machine
+def test_ddp_on_3_ranks_stop_and_resume_is_bit_exact(tmp_path: Path):
+    # DDP reduces a process's first step in one bucket, later ones in rebuilt buckets; on 3
+    # ranks the two layouts sum in different orders. Step k is the resumed process's first.
+    k = 4
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    _finish(_run("train_ddp.py", straight, 2 * k, k=k, nproc=3))
+    _finish(_run("train_ddp.py", stopped, k, k=k, nproc=3))
+    first = _digest(stopped)
+    _finish(_run("train_ddp.py", stopped, 2 * k, k=k, nproc=3))
+    resumed = latest_event(
+        stopped / "run", "runtime.resume", rank=0, where=lambda e: e["from_checkpoint"]
+    )
+    assert resumed is not None and resumed["step"] == k
+    final = _digest(stopped)
+    assert final["step"] == 2 * k and final["world_size"] == 3
+    assert final["digest"] == _digest(straight)["digest"]
+    assert first["digest"] != final["digest"]  # the second half did train
+    pinned = latest_event(stopped / "run", "ddp.buckets", rank=2)
+    assert pinned is not None and pinned["outcome"] == "pinned"

@@ -18,8 +18,9 @@ Why this never deadlocks. A rank that raises must not wait where its peers canno
   never joins a collective, carries it out (os._exit) within one heartbeat interval, also on
   ranks blocked in a collective. No collective is needed to agree.
 - `micro_batches` with DDP: DDP's forward holds no collective once the first micro-batch
-  started (its buffer broadcast comes first; micro-batches but the last run under no_sync),
-  and no_sync backwards hold none. The only gradient all-reduce is the last micro-batch's
+  started (its buffer broadcast comes first; micro-batches but the last run under no_sync;
+  its one bucket rebuild is done at track() and after a reset, runtime/_ddp.py), and
+  no_sync backwards hold none. The only gradient all-reduce is the last micro-batch's
   backward, and `mb.backward` agrees *before* it: an all_reduce(MAX) of a status code on the
   control group, where a failing rank arrives from its `with mb:` exit and healthy ranks
   arrive from `mb.backward`, exactly one agreement per attempt on every rank. All OK: the
@@ -49,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from resilient.errors import ConfigError
 from resilient.log import get_logger
+from resilient.runtime._ddp import reset_reducer
 from resilient.runtime.dist import DistContext
 from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.heartbeat import FLAG_FAILED, FLAG_OOM, Phase
@@ -240,8 +242,7 @@ class Guard:
                 # reducer for a backward that never came; the failing rank's did not. Disarm
                 # it on every rank alike (DDP's own _update_process_group does the same), or
                 # the next no_sync backward would all-reduce on some ranks only.
-                model.reducer._reset_state()
-                model._has_rebuilt_buckets = False
+                reset_reducer(model)  # keeps a pinned bucket layout (runtime/_ddp.py)
                 model.require_forward_param_sync = True  # as after any step's synced forward
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()

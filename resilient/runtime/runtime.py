@@ -22,6 +22,7 @@ from resilient import log
 from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
 from resilient.errors import ConfigError
+from resilient.runtime._ddp import ddp_modules, pin_buckets
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
 from resilient.runtime.elastic import DataPosition
@@ -71,6 +72,13 @@ class RuntimeConfig:
     """Preemption signals, grace period and check interval (resilient.runtime.preempt); init()
     also takes a dict. Default: $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, which
     `resilient run` sets, else 30 s and SIGTERM,SIGUSR1."""
+    pin_ddp_buckets: bool = True
+    """Fix a tracked DDP model's gradient buckets at track(), in parameter order, so every
+    process, fresh or resumed, all-reduces with the same layout from its first step. Without
+    it DDP reduces a process's first step in one bucket and later ones in buckets rebuilt in
+    gradient-ready order, so on 3 or more ranks the step after a resume sums in another order
+    and the run is no longer bit-exact. False keeps DDP's own layout: more communication
+    overlaps the backward pass on large models (resilient.runtime._ddp)."""
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:
@@ -213,6 +221,9 @@ class Runtime:
         batch_size x world size at the first start) is kept on other world sizes through
         `grad_accum` micro-batches per step. `extras` are objects with
         state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
+        With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's gradient
+        buckets, a collective on DDP's process group: every rank calls track(), before the
+        first training forward.
         """
         if self._resumed:
             raise RuntimeError("track() must be called before steps() starts")
@@ -239,6 +250,19 @@ class Runtime:
             )
             common["__data__"] = self._data
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
+        if model is not None and self.config.pin_ddp_buckets:
+            for ddp in ddp_modules(model):
+                outcome = pin_buckets(ddp)
+                if outcome in ("pinned", "never_rebuilt"):
+                    self.log.info("ddp.buckets", outcome=outcome)
+                else:  # exact resume on 3+ ranks is then up to the script
+                    self.log.warning(
+                        "ddp.buckets",
+                        outcome=outcome,
+                        note="bucket layout not fixed: on 3+ ranks the first step after a "
+                        "resume may sum gradients in another order (call track() before "
+                        "the first forward)",
+                    )
         self._install_fences(model, optimizer)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
 

@@ -1,0 +1,98 @@
+"""DDP's gradient-bucket layout, fixed so that fresh and resumed processes reduce alike.
+
+Why this exists: DDP (torch 2.13, find_unused_parameters=False or static_graph=True) reduces
+its first iteration in one bucket holding every gradient, then rebuilds the buckets in the
+order gradients became ready and keeps that layout. A process resumed from a checkpoint is a
+new process, so its first step again uses the one-bucket layout where the uninterrupted run
+had long been using the rebuilt one. On 3 or more ranks gloo's ring all-reduce sums each
+element in an order set by the element's offset in its bucket (which chunk of the ring it
+falls in), so a different layout gives different float sums: the resumed run drifts from the
+uninterrupted one from that step on (measured: 3 ranks, step 8 of 16, equal inputs, loss and
+parameters, different reduced gradients). Two ranks hide it, since a + b == b + a.
+
+The fix: before the first iteration of every process, rebuild the buckets from all parameters
+in DDP's parameter order (the reducer's own `_push_all_rebuilt_params`, which DDP's join hook
+uses for ranks that ran out of data, then `_rebuild_buckets`), with DDP's own size caps. The
+layout then never changes and is the same in every process, fresh or resumed, and DDP's
+forward no longer holds the rebuild's broadcast in the second step (which the OOM guard's
+retry relies on: runtime/guard.py). The cost: buckets follow parameter order instead of
+gradient-ready order, so less communication overlaps the backward pass. That is negligible for
+the small models of recipes/ (two buckets) and not measured here for large GPU models, which
+is why `RuntimeConfig.pin_ddp_buckets` can turn it off.
+
+torch has no public way to choose or persist a bucket layout (the bucket sizes are
+construction options, the order is not), so this is the one place where we call the
+reducer's private methods.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ddp_modules", "pin_buckets", "reset_reducer"]
+
+# The DDP modules whose layout we fixed; reset_reducer() fixes them again after a reset.
+_PINNED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+
+
+def ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
+    """The DDP instances in `model` (itself included), outermost first."""
+    return [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+
+
+def _supported(ddp: DistributedDataParallel) -> str | None:
+    """Why the layout of `ddp` cannot be fixed here, or None when it can."""
+    if getattr(ddp, "_use_python_reducer", False):
+        return "python_reducer"  # compiled-autograd DDP buckets in its own way
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "all_params_delayed"  # no reducer buckets in use
+    if not hasattr(ddp, "reducer"):
+        return "no_reducer"
+    return None
+
+
+def pin_buckets(ddp: DistributedDataParallel) -> str:
+    """Fix `ddp`'s gradient buckets now, in parameter order, for the rest of the process.
+
+    A collective on `ddp.process_group` (rank 0's layout is broadcast): every rank calls it
+    at the same point, before its first training forward. Returns what happened: "pinned";
+    "never_rebuilt" when DDP keeps its first layout for good anyway
+    (find_unused_parameters=True without static_graph), which resumes exactly as it is;
+    "already_rebuilt" when this process had trained through `ddp` before (DDP then keeps
+    the layout of that warm-up, which a resumed process repeating it gets too); or why it is
+    not supported.
+    """
+    why = _supported(ddp)
+    if why is not None:
+        return why
+    if getattr(ddp, "_has_rebuilt_buckets", False):
+        return "already_rebuilt"
+    reducer = ddp.reducer
+    # No-op where DDP never rebuilds, or where a backward already recorded its ready order.
+    reducer._push_all_rebuilt_params()
+    if not reducer._rebuild_buckets():
+        return "never_rebuilt"
+    ddp._has_rebuilt_buckets = True  # what DDP's own forward records after a rebuild
+    _PINNED.add(ddp)
+    return "pinned"
+
+
+def reset_reducer(ddp: DistributedDataParallel) -> None:
+    """Disarm `ddp`'s reducer after a backward that never came (see runtime/guard.py).
+
+    DDP's `_reset_state` (as in its own `_update_process_group`) also makes DDP rebuild its
+    buckets in gradient-ready order: a collective inside a later forward, where a rank that
+    fails before its forward would leave its peers waiting. For a pinned module the
+    parameter-order layout is rebuilt here instead, so forwards stay free of collectives and
+    the layout stays the one every process uses; that is a collective on
+    `ddp.process_group`, so every rank calls this at the same point, as the guard does.
+    """
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    if ddp in _PINNED:
+        ddp.reducer._push_all_rebuilt_params()
+        if ddp.reducer._rebuild_buckets():
+            ddp._has_rebuilt_buckets = True
