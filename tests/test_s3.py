@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
+import trainee
 from conftest import free_port, read_events
-from torch import nn
 
 import resilient
 from resilient import (
@@ -21,9 +20,7 @@ from resilient import (
     CheckpointError,
     CheckpointManager,
     StorageError,
-    TrainState,
     _transfer,
-    state_digest,
 )
 from resilient.checkpoint.tiers import TieredCheckpointManager
 from resilient.storage import RetryPolicy, is_retryable
@@ -35,30 +32,11 @@ pytest_plugins = ["s3_fixtures"]  # moto_endpoint, s3, s3proxy
 pytestmark = pytest.mark.timeout(60)
 
 
-class Trainee:
-    """A model of `width`^2 * 2 parameters, AdamW and a StepLR."""
+class Trainee(trainee.Trainee):
+    """A model of `width`^2 * 2 parameters (1024: about 25 MB with AdamW)."""
 
     def __init__(self, seed: int, width: int = 64) -> None:
-        torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
-        self.width = width
-
-    def train(self, steps: int) -> None:
-        g = torch.Generator().manual_seed(7)
-        for _ in range(steps):
-            loss = self.model(torch.randn(4, self.width, generator=g)).pow(2).mean()
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
-            self.sched.step()
-
-    def state(self) -> TrainState:
-        return TrainState(model=self.model, optimizer=self.opt, common={"scheduler": self.sched})
-
-    def digest(self) -> str:
-        return state_digest(self.model, self.opt)
+        super().__init__(seed, widths=(width, width, 3))
 
 
 FAST = RetryPolicy(initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01, budget_s=20)
