@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import os
 import re
@@ -30,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+import fsspec
 
 from chaos.netns import Hosts, netns_unavailable
 from chaos.procs import REPO, Run, alive, descendants, events, latest_event, wait_for
@@ -214,23 +217,43 @@ def _inits(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     return [e for e in events(run_dir, rank) if e.get("event") == "runtime.init"]
 
 
-def _newest_committed(ckpt: Path) -> Path | None:
-    dirs = sorted(p for p in ckpt.glob("step_*") if (p / "manifest.json").exists())
+def _ckpt_fs(env: _Env) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The checkpoint location as the harness sees it: the directory, or the bucket (read
+    and damaged straight on the S3 server, not through the fault proxy)."""
+    if env.s3 is not None:
+        return env.s3.filesystem(), f"{env.s3.bucket}/ckpt"
+    return fsspec.filesystem("file"), str(env.out / "ckpt")
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _newest_committed(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return None
+    dirs = sorted(
+        p for p in entries if _name(p).startswith("step_") and fs.exists(f"{p}/manifest.json")
+    )
     return dirs[-1] if dirs else None
 
 
-def _damage(kind: str, ckpt_dir: Path) -> str:
-    data = sorted(ckpt_dir.glob("__*.distcp"))[0]
-    raw = data.read_bytes()
+def _damage(kind: str, fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> str:
+    data = sorted(
+        p for p in fs.ls(ckpt_dir, detail=False) if fnmatch.fnmatch(_name(p), "__*.distcp")
+    )[0]
+    raw = fs.cat_file(data)
     if kind == "corrupt":
         b = bytearray(raw)
         b[len(b) // 2] ^= 0xFF
-        data.write_bytes(bytes(b))
+        fs.pipe_file(data, bytes(b))
     elif kind == "truncate":
-        data.write_bytes(raw[: len(raw) // 2])
+        fs.pipe_file(data, raw[: len(raw) // 2])
     else:
-        data.unlink()
-    return data.name
+        fs.rm_file(data)
+    return _name(data)
 
 
 def _chaos_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -294,13 +317,14 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
     )
     info: dict[str, Any] = {}
     if fault.kind in _FILE_FAULTS:
+        fs, root = _ckpt_fs(env)
         newest = wait_for(
-            lambda: _newest_committed(env.out / "ckpt"),
+            lambda: _newest_committed(fs, root),
             timeout=sc.timeout_s,
             what="a committed checkpoint",
         )
-        info["corrupted_file"] = _damage(fault.kind, newest)
-        info["corrupted_step"] = int(newest.name.split("_")[1])
+        info["corrupted_file"] = _damage(fault.kind, fs, newest)
+        info["corrupted_step"] = int(_name(newest).split("_")[1])
     if fault.kind == "kill_during_save":
 
         def saving() -> int | None:
@@ -451,6 +475,7 @@ def _two_hosts(
                 rc = a.wait(max(1.0, sc.timeout_s - (time.monotonic() - started)))
             except TimeoutError as e:
                 failures.append(f"d: {e}")
+                a.kill()
             time.sleep(0.5)
             pids = {int(e["pid"]) for r in range(2 * sc.nproc) for e in _inits(env.run_dir, r)}
             leftover += [q for q in (*descendants(a.proc.pid), *pids) if alive(q)]
@@ -508,6 +533,7 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
                 except TimeoutError as e:
                     rc = None
                     failures.append(f"d: {e}")
+                    run.kill()  # (d) failed already; (e) asks whether the kill left anything
                 time.sleep(0.5)  # let dataloader workers of a finished run exit
                 # workers run in sessions of their own: look for the launcher's tree and every
                 # worker pid the run logged, not just the launcher's process group

@@ -34,14 +34,29 @@ class LoopbackS3:
         self.bucket = f"chaos-{uuid.uuid4().hex[:10]}"
         self.proxy: S3FaultProxy | None = None
         self.env: dict[str, str] = {}
+        self._upstream = ""
 
     def url(self, prefix: str = "ckpt") -> str:
         return f"s3://{self.bucket}/{prefix}"
 
+    def filesystem(self) -> Any:
+        """An s3fs filesystem on the server itself (no proxy, no listing cache)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(
+            key="x",
+            secret="x",
+            endpoint_url=self._upstream,
+            client_kwargs={"region_name": "us-east-1"},
+            skip_instance_cache=True,
+            use_listings_cache=False,
+        )
+
     def __enter__(self) -> LoopbackS3:
         self._server.start()
         host, port = self._server.get_host_and_port()
-        self.proxy = S3FaultProxy(f"http://{host}:{port}")
+        self._upstream = f"http://{host}:{port}"
+        self.proxy = S3FaultProxy(self._upstream)
         endpoint = self.proxy.start()
         self.env = {
             "AWS_ENDPOINT_URL": endpoint,
