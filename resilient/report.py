@@ -2,16 +2,34 @@
 
 Reads only `<run_dir>/logs/*.jsonl`. The events it uses:
 - `runtime.init` / `runtime.resume` (per attempt), `train.progress` (step windows with busy
-  seconds), `ckpt.save.staged` / `ckpt.save.committed` (save cost), and detection events
-  (`hang.detected`, `fault.detected`, `watchdog.exit`, `guard.failure`).
+  seconds), `ckpt.save.start` / `ckpt.save.staged` / `ckpt.save.committed` (save cost), and
+  detection events (`hang.detected`, `fault.detected`, `watchdog.exit`, `guard.failure`, the
+  supervisor's `worker.failed`).
 - `chaos.fault` lines that the chaos harness writes to `logs/chaos.jsonl` give exact fault
   times; without them a fault's time is estimated as the last event of the failed attempt.
 
-Goodput = time spent in steps that count towards the final state / wall time. Steps that a
-later attempt replays do not count; neither do start-up, saves, detection and restarts.
-The Young/Daly optimum: with checkpoint cost C, restart cost R and mean time between failures
-M, the best interval is about sqrt(2 C M) and the best goodput about
-1 - C/tau - (tau/2 + R)/M (first order; Daly 2006).
+Goodput = time spent in step bodies that count towards the final state / wall time. A step
+counts only if every later attempt resumed after it. Replayed steps, start-up, saves,
+detection, restarts and the time between step bodies (the runtime's per-step work) do not.
+
+Save cost. An async save blocks the loop only while it stages (`blocked_s`), but the loop
+also waits in the optimizer fence and its steps run slower while the write goes on beside
+them. The effective cost is measured from the loop itself: `train.progress` windows of the
+same attempt that overlap no save, within _NEAR_S seconds, give the reference time per step
+(step body, and time between bodies); the excess of a window that overlaps a save, over that
+reference, is what the save cost. That excess is not productive time, and C = excess / saves,
+never below the blocked time. Without a clean window near any save (an interval of about two
+progress windows or less), C is `analyze(save_cost_s=...)` if given (a calibration run's),
+else the blocked time (`save_cost_basis` says which).
+
+The Young/Daly optimum: with checkpoint cost C, restart cost R (fault to the resumed state)
+and mean time between failures M, the best interval is about sqrt(2 C M) (Daly's higher-order
+form is used) and the best goodput about 1 - C/tau - (tau/2 + R)/M (first order; Daly 2006).
+That is a steady state: it has no one-time start-up before step 0 and no final save and exit,
+which every run pays once whatever its interval. `optimal_run_goodput` adds this run's own
+start-up and end to the optimum (the same productive work P takes P / optimum + start-up + end)
+and `goodput_over_optimum` compares the measured goodput with it; `steady_goodput` leaves
+start-up and end out of the measured wall time instead (the two ratios are close).
 """
 
 from __future__ import annotations
@@ -25,9 +43,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FaultReport", "RunReport", "analyze", "format_report", "plot_timeline"]
+__all__ = ["FaultReport", "RunReport", "analyze", "format_report", "plot_timeline", "young_daly"]
 
-_DETECTION = ("hang.detected", "fault.detected", "watchdog.exit", "guard.failure")
+_NEAR_S = 10.0
+"""Clean windows of the same attempt within this many seconds are a save window's reference."""
+_DETECTION = ("hang.detected", "fault.detected", "watchdog.exit", "guard.failure", "worker.failed")
 
 
 def _ts(e: dict[str, Any]) -> float:
@@ -82,20 +102,104 @@ class RunReport:
     optimal_interval_s: float | None = None
     optimal_goodput: float | None = None
     interval_s: float | None = None
+    blocked_s: float | None = None
+    """Median time a save kept the loop in save() (staging; a sync save's whole time)."""
+    save_cost_basis: str = "blocked"
+    """"effective" (blocked + fence + slowdown, from step times), "given" (analyze's
+    `save_cost_s`, when this run has no clean window) or "blocked"."""
+    save_slowdown_s: float = 0.0
+    """Step time the saves cost beyond the reference (fence waits, slower steps); not
+    counted as productive."""
+    step_overhead_s: float | None = None
+    """Median time per step spent between step bodies (the runtime's own per-step work)."""
+    startup_s: float = 0.0
+    """From the first event to the start of the first step of attempt 0."""
+    end_s: float = 0.0
+    """From the end of the last step to the last event (final save, exit)."""
+    replayed_s: float = 0.0
+    """Step time of steps that a later attempt ran again."""
+    optimal_run_goodput: float | None = None
+    """The optimum with this run's one-time start-up and end added."""
+
+    @property
+    def steady_goodput(self) -> float:
+        """Goodput with the one-time start-up and end left out of the wall time."""
+        steady = self.wall_s - self.startup_s - self.end_s
+        return self.productive_s / steady if steady > 0 else 0.0
 
     @property
     def goodput_over_optimum(self) -> float | None:
-        if not self.optimal_goodput:
+        if not self.optimal_run_goodput:
             return None
-        return self.goodput / self.optimal_goodput
+        return self.goodput / self.optimal_run_goodput
 
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def analyze(run_dir: str | Path, *, mtbf_s: float | None = None) -> RunReport:
-    """Build the report from the logs. `mtbf_s` overrides the MTBF measured from the faults."""
+def _daly(c: float, m: float) -> float:
+    """Daly's (2006) higher-order optimum of the compute time between checkpoints."""
+    if c >= 2 * m:
+        return m
+    x = c / (2 * m)
+    return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
+
+
+def young_daly(c: float, r: float, m: float) -> tuple[float, float]:
+    """(optimal interval, optimal goodput) for save cost c, restart cost r and MTBF m."""
+    tau = _daly(c, m)
+    return tau, max(0.0, 1 - c / tau - (tau / 2 + r) / m)
+
+
+@dataclass(slots=True)
+class _Window:
+    """One rank-0 `train.progress` event: steps first..last of one attempt."""
+
+    attempt: int
+    first: int
+    last: int
+    t0: float
+    t1: float
+    busy: float
+    span: float = 0.0
+    """t0 to the next contiguous window's t0 (n steps and n gaps), else t0 to t1."""
+    gaps: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.last - self.first + 1
+
+
+def _windows(progress: list[dict[str, Any]]) -> list[_Window]:
+    ws = sorted(
+        (
+            _Window(
+                attempt=int(w.get("restart", 0)),
+                first=int(w["first"]),
+                last=int(w["last"]),
+                t0=float(w["t0"]),
+                t1=float(w["t1"]),
+                busy=float(w["busy_s"]),
+            )
+            for w in progress
+        ),
+        key=lambda w: (w.attempt, w.first),
+    )
+    for w, nxt in itertools.zip_longest(ws, ws[1:]):
+        if nxt is not None and nxt.attempt == w.attempt and nxt.first == w.last + 1:
+            w.span, w.gaps = nxt.t0 - w.t0, w.n
+        else:
+            w.span, w.gaps = w.t1 - w.t0, w.n - 1
+    return ws
+
+
+def analyze(
+    run_dir: str | Path, *, mtbf_s: float | None = None, save_cost_s: float | None = None
+) -> RunReport:
+    """Build the report from the logs. `mtbf_s` overrides the MTBF measured from the faults;
+    `save_cost_s` stands in for the effective save cost when this run cannot measure it (no
+    window without a save to compare with: an interval shorter than about two seconds)."""
     events = load_events(run_dir)
     if not events:
         raise FileNotFoundError(f"no events under {Path(run_dir, 'logs')}")
@@ -106,18 +210,57 @@ def analyze(run_dir: str | Path, *, mtbf_s: float | None = None) -> RunReport:
     attempts = sorted({int(e.get("restart", 0)) for e in inits}) or [0]
     start = min(e["t"] for e in events)
     end = max(e["t"] for e in events)
+    windows = _windows(progress)
 
-    # steps that survive: an attempt's steps at or beyond the next attempt's resume point
-    # were replayed, so only [first, next_resume) of each attempt counts
-    productive = 0.0
-    for w in progress:
-        a = int(w.get("restart", 0))
-        nxt = resumes.get(a + 1)
-        cut = int(nxt["step"]) if nxt is not None else math.inf
-        n = int(w["last"]) - int(w["first"]) + 1
-        kept = max(0, min(int(w["last"]), cut - 1) - int(w["first"]) + 1)
-        productive += float(w["busy_s"]) * kept / n
-    step_times = [float(w["busy_s"]) / (int(w["last"]) - int(w["first"]) + 1) for w in progress]
+    # A step survives when no later attempt resumed at or before it: the cut of an attempt is
+    # the lowest resume step of all later attempts (one that died before resuming has none).
+    def cut(attempt: int) -> float:
+        later = [int(r["step"]) for a, r in resumes.items() if a > attempt]
+        return min(later, default=math.inf)
+
+    # saves, as intervals of rank 0's time: start to commit (a save cut short: its start)
+    starts = [e for e in rank0 if e.get("event") == "ckpt.save.start"]
+    committed = [e for e in rank0 if e.get("event") == "ckpt.save.committed"]
+    done_at = {(int(e.get("restart", 0)), int(e["step"])): e["t"] for e in committed}
+    saves = [
+        (e["t"], done_at.get((int(e.get("restart", 0)), int(e["step"])), e["t"])) for e in starts
+    ]
+
+    def overlaps(w: _Window) -> list[int]:
+        return [i for i, (a, b) in enumerate(saves) if a <= w.t0 + w.span and b >= w.t0]
+
+    # reference step from windows that overlap no save (an attempt's first step, alone in its
+    # window and slower, is left out): for each save window the median of the clean windows
+    # of its attempt within _NEAR_S, since the load of a shared machine moves step times far
+    # more than a save does; a save window with none near is left as it is
+    firsts = {min((w.first for w in windows if w.attempt == a), default=-1) for a in attempts}
+    clean = [w for w in windows if not overlaps(w) and not (w.first in firsts and w.n == 1)]
+    gap = _median([(w.span - w.busy) / w.gaps for w in clean if w.gaps > 0])
+
+    def reference(w: _Window) -> tuple[float, float] | None:
+        near = [c for c in clean if c.attempt == w.attempt and abs(c.t0 - w.t0) <= _NEAR_S]
+        b = _median([c.busy / c.n for c in near])
+        g = _median([(c.span - c.busy) / c.gaps for c in near if c.gaps > 0])
+        return None if b is None or g is None else (b, g)
+
+    busy_kept = replayed = extra_busy = extra_busy_kept = extra_gap = 0.0
+    hit: set[int] = set()
+    for w in windows:
+        kept = max(0, min(w.last, cut(w.attempt) - 1) - w.first + 1)
+        busy_kept += w.busy * kept / w.n
+        replayed += w.busy * (w.n - kept) / w.n
+        over = overlaps(w)
+        ref = reference(w) if over else None
+        if ref is not None:
+            hit.update(over)
+            extra_busy += w.busy - w.n * ref[0]
+            extra_busy_kept += (w.busy - w.n * ref[0]) * kept / w.n
+            extra_gap += (w.span - w.busy) - w.gaps * ref[1]
+    # noise can make the sums negative: a save never makes steps faster, so they clip at 0,
+    # and productive time never exceeds the measured step time
+    slowdown = max(0.0, extra_busy + extra_gap)
+    productive = busy_kept - min(max(0.0, extra_busy_kept), slowdown)
+    step_times = [w.busy / w.n for w in windows]
 
     staged = [float(e["blocked_s"]) for e in rank0 if e.get("event") == "ckpt.save.staged"]
     sync = [
@@ -125,8 +268,14 @@ def analyze(run_dir: str | Path, *, mtbf_s: float | None = None) -> RunReport:
         for e in rank0
         if e.get("event") == "ckpt.save.committed" and e.get("mode") == "sync"
     ]
-    committed = [e for e in rank0 if e.get("event") == "ckpt.save.committed"]
-    save_cost = _median(staged + sync)
+    blocked = _median(staged + sync)
+    save_cost: float | None = blocked
+    basis = "blocked"
+    if hit:
+        # the blocked time lies inside the measured excess, so it is a floor against noise
+        save_cost, basis = max(slowdown / len(hit), blocked or 0.0), "effective"
+    elif save_cost_s is not None:
+        save_cost, basis = save_cost_s, "given"
     chaos = [e for e in events if e.get("event") == "chaos.fault"]
 
     faults = []
@@ -141,7 +290,9 @@ def analyze(run_dir: str | Path, *, mtbf_s: float | None = None) -> RunReport:
         fault_t = injected[0]["t"] if injected else t_end
         kind = str(injected[0].get("kind", "?")) if injected else "unknown"
         detected = [
-            e["t"] for e in in_attempt if e.get("event") in _DETECTION and e["t"] >= fault_t - 0.001
+            e["t"]
+            for e in events
+            if e.get("event") in _DETECTION and fault_t - 0.001 <= e["t"] <= nxt_init["t"]
         ]
         detect_t = min(detected) if detected else nxt_init["t"]
         resumed = resumes.get(a + 1)
@@ -166,16 +317,27 @@ def analyze(run_dir: str | Path, *, mtbf_s: float | None = None) -> RunReport:
         )
 
     wall = end - start
+    # one-time start-up: to the first step, or to the first fault if one came before it (the
+    # rest is that fault's restart)
+    first_t0 = min([w.t0 for w in windows] + [f.fault_t for f in faults], default=None)
+    last_t1 = max((w.t1 for w in windows), default=None)
     report = RunReport(
         wall_s=wall,
         productive_s=productive,
         goodput=productive / wall if wall > 0 else 0.0,
-        final_step=max((int(w["last"]) + 1 for w in progress), default=0),
+        final_step=max((w.last + 1 for w in windows), default=0),
         attempts=len(attempts),
         step_s=_median(step_times),
         save_cost_s=save_cost,
         saves=len(committed),
         faults=faults,
+        blocked_s=blocked,
+        save_cost_basis=basis,
+        save_slowdown_s=slowdown,
+        step_overhead_s=gap,
+        startup_s=(first_t0 - start) if first_t0 is not None else wall,
+        end_s=(end - last_t1) if last_t1 is not None else 0.0,
+        replayed_s=replayed,
     )
     if len(committed) >= 2:
         gaps = [
@@ -188,13 +350,12 @@ def analyze(run_dir: str | Path, *, mtbf_s: float | None = None) -> RunReport:
     restarts = [f.restart_s for f in faults if f.restart_s is not None]
     report.restart_cost_s = _median(restarts)
     if report.mtbf_s and save_cost:
-        c, m, r = save_cost, report.mtbf_s, report.restart_cost_s or 0.0
-        tau = math.sqrt(2 * c * m)  # Young
-        if c < 2 * m:  # Daly's higher-order correction
-            x = c / (2 * m)
-            tau = math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
+        tau, best = young_daly(save_cost, report.restart_cost_s or 0.0, report.mtbf_s)
         report.optimal_interval_s = tau
-        report.optimal_goodput = max(0.0, 1 - c / tau - (tau / 2 + r) / m) if tau > 0 else None
+        report.optimal_goodput = best
+        if best > 0:
+            one_time = report.startup_s + report.end_s
+            report.optimal_run_goodput = productive / (productive / best + one_time)
     return report
 
 
@@ -203,13 +364,16 @@ def format_report(rep: RunReport) -> str:
         return "-" if x is None else f"{x:.{digits}f}{unit}"
 
     lines = [
-        f"wall time            {s(rep.wall_s)}",
-        f"productive step time {s(rep.productive_s)}",
-        f"goodput              {rep.goodput:.3f}",
+        f"wall time            {s(rep.wall_s)}  (start-up {s(rep.startup_s)}, end {s(rep.end_s)})",
+        f"productive step time {s(rep.productive_s)}  (replayed {s(rep.replayed_s)}, "
+        f"slowed by saves {s(rep.save_slowdown_s)})",
+        f"goodput              {rep.goodput:.3f}  "
+        f"(without start-up and end {rep.steady_goodput:.3f})",
         f"final step           {rep.final_step}  ({rep.attempts} attempt(s), {rep.saves} saves)",
-        f"median step          {s(rep.step_s, ' s', 4)}",
-        f"save cost (blocked)  {s(rep.save_cost_s, ' s', 4)}  "
-        f"(measured interval {s(rep.interval_s)})",
+        f"median step          {s(rep.step_s, ' s', 4)}  "
+        f"(between steps {s(rep.step_overhead_s, ' s', 4)})",
+        f"save cost ({rep.save_cost_basis})  {s(rep.save_cost_s, ' s', 4)}  "
+        f"(blocked {s(rep.blocked_s, ' s', 4)}, measured interval {s(rep.interval_s)})",
     ]
     if rep.faults:
         lines += ["", "fault  kind              detect    restart    recover  steps lost"]
@@ -222,13 +386,16 @@ def format_report(rep: RunReport) -> str:
             )
     if rep.optimal_goodput is not None:
         ratio = rep.goodput_over_optimum
+        run_opt = rep.optimal_run_goodput
         lines += [
             "",
             f"Young/Daly: MTBF {s(rep.mtbf_s)}, save cost {s(rep.save_cost_s, ' s', 4)}, "
             f"restart cost {s(rep.restart_cost_s)}",
             f"  optimal interval {s(rep.optimal_interval_s)}, optimal goodput "
-            f"{rep.optimal_goodput:.3f}, measured/optimum "
-            + ("-" if ratio is None else f"{ratio:.3f}"),
+            f"{rep.optimal_goodput:.3f} (steady state), "
+            + ("-" if run_opt is None else f"{run_opt:.3f}")
+            + " with this run's start-up and end",
+            "  measured/optimum " + ("-" if ratio is None else f"{ratio:.3f}"),
         ]
     return "\n".join(lines)
 

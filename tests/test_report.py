@@ -141,3 +141,97 @@ def test_cli_report_prints_the_table_and_draws(run_dir: Path, tmp_path: Path, ca
     assert "goodput              0.741" in out and "Young/Daly" in out
     assert png.exists()
     assert main(["report", str(tmp_path / "nowhere")]) == 2
+
+
+def _loop(restart: int, first: int, sizes: list[int], t0: float, step_s: float, gap_s: float):
+    """Contiguous progress windows of `sizes` steps: each step `step_s` of body and `gap_s`
+    between steps. Returns the events and the start time of each window and the next one."""
+    out, starts = [], []
+    for n in sizes:
+        w = _progress(restart, first, first + n - 1, t0, step_s)
+        w["t1"] = T0 + t0 + n * step_s + (n - 1) * gap_s
+        w["t"] = w["t1"] - T0
+        out.append(w)
+        starts.append(t0)
+        first, t0 = first + n, t0 + n * (step_s + gap_s)
+    starts.append(t0)
+    return out, starts
+
+
+def test_async_save_cost_counts_the_slowdown_of_the_steps_beside_it(tmp_path: Path):
+    """Steps of 0.1 s body + 0.01 s between. The save in window 3 blocks 0.05 s (between two
+    steps) and slows its 10 steps by 0.02 s each: it costs 0.25 s, not the 0.05 s blocked."""
+    ws, at = _loop(0, 0, [1, 10, 10, 10, 10, 10], 1.0, 0.1, 0.01)
+    slow = ws[3]
+    slow["busy_s"] += 10 * 0.02
+    for w in ws[4:]:  # the blocked time and the slowdown push the later windows back
+        for k in ("t0", "t1", "t1_first"):
+            w[k] += 0.25
+        w["t"] += 0.25
+    slow["t1"] += 0.25
+    slow["t"] += 0.25
+    save = {"rank": 0, "restart": 0, "step": 25}
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "step": 0, "t": 0.9},
+        *ws,
+        {**save, "event": "ckpt.save.start", "mode": "async", "t": at[3] + 0.4},
+        {**save, "event": "ckpt.save.staged", "blocked_s": 0.05, "t": at[3] + 0.5},
+        {**save, "event": "ckpt.save.committed", "mode": "async", "seconds": 0.6, "t": at[3] + 1},
+        {"event": "runtime.done", "rank": 0, "restart": 0, "step": 51, "t": at[-1] + 0.25 + 0.5},
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    rep = analyze(tmp_path, mtbf_s=100.0)
+    assert rep.save_cost_basis == "effective"
+    assert rep.blocked_s == pytest.approx(0.05)
+    assert rep.save_cost_s == pytest.approx(0.25)
+    assert rep.save_slowdown_s == pytest.approx(0.25)
+    assert rep.step_overhead_s == pytest.approx(0.01)
+    assert rep.productive_s == pytest.approx(51 * 0.1)  # the slowdown is not productive
+    assert rep.startup_s == pytest.approx(1.0) and rep.end_s == pytest.approx(0.51)
+
+
+def test_a_save_with_no_clean_window_to_compare_falls_back_to_blocked_time(run_dir: Path):
+    rep = analyze(run_dir)
+    assert rep.save_cost_basis == "blocked" and rep.save_cost_s == pytest.approx(0.1)
+
+
+def test_optimum_for_the_run_adds_its_one_time_start_up_and_end(run_dir: Path):
+    rep = analyze(run_dir, mtbf_s=100.0)
+    assert rep.startup_s == pytest.approx(2.0) and rep.end_s == pytest.approx(0.0)
+    best = rep.optimal_goodput
+    assert best is not None
+    run_best = 20.0 / (20.0 / best + 2.0)
+    assert rep.optimal_run_goodput == pytest.approx(run_best)
+    assert rep.goodput_over_optimum == pytest.approx(rep.goodput / run_best)
+    assert rep.steady_goodput == pytest.approx(20.0 / 25.0)
+
+
+def test_steps_replayed_after_an_attempt_that_died_before_resuming_do_not_count(tmp_path: Path):
+    """Attempt 0 runs steps 0-9 (checkpoint at 8), attempt 1 dies while starting, attempt 2
+    resumes at 8: steps 8 and 9 of attempt 0 were replayed, even with no resume in between."""
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "step": 0, "t": 1.0},
+        _progress(0, 0, 9, 1.0, 1.0),
+        {"event": "runtime.init", "rank": 0, "restart": 1, "t": 13.0},
+        {"event": "runtime.init", "rank": 0, "restart": 2, "t": 16.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 2, "step": 8, "t": 17.0},
+        _progress(2, 8, 11, 17.0, 1.0),
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    rep = analyze(tmp_path)
+    assert rep.productive_s == pytest.approx(8.0 + 4.0)
+    assert rep.replayed_s == pytest.approx(2.0)
+
+
+def test_the_supervisor_seeing_the_failed_worker_is_the_detection(run_dir: Path):
+    _write(run_dir, "supervisor.jsonl", [{"event": "worker.failed", "rank": None, "t": 12.6}])
+    (f,) = analyze(run_dir).faults
+    assert f.detect_s == pytest.approx(0.1)
+
+
+def test_a_given_save_cost_stands_in_when_the_run_cannot_measure_its_own(run_dir: Path):
+    rep = analyze(run_dir, mtbf_s=100.0, save_cost_s=0.3)
+    assert rep.save_cost_basis == "given" and rep.save_cost_s == pytest.approx(0.3)
+    assert rep.blocked_s == pytest.approx(0.1)
