@@ -84,6 +84,31 @@ def test_watch_flags_a_signal_and_budgets_the_save() -> None:
     assert isinstance(exc, SystemExit) and exc.code == ExitCode.PREEMPTED == 85
 
 
+def test_auto_check_interval_spreads_the_agreement_over_steps() -> None:
+    """By default the flag is agreed about every min(1 s, 5% of grace): N steps, derived from
+    the slowest rank's step time that the agreement itself carries (so N is the same on every
+    rank). A signal is still seen within N steps."""
+    cfg = PreemptConfig(signals=("SIGUSR1",), grace_s=10)
+    assert cfg.check_every_steps is None and cfg.check_interval_s == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="check_interval_s"):
+        PreemptConfig(grace_s=10, check_interval_s=20)
+    watch = PreemptionWatch(cfg, group=None, distributed=False)
+    watch.install()
+    try:
+        assert watch.every == 1
+        while watch.checks < 3:  # the first agreement only starts the clock
+            time.sleep(0.05)  # a 50 ms step
+            assert not watch.agree()
+        assert 5 <= watch.every <= 10, watch.every  # 0.5 s / 50 ms, less under load
+        every, before = watch.every, watch.checks
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        seen = [watch.agree() for _ in range(every)]
+        assert seen == [False] * (every - 1) + [True] and watch.checks == before + 1
+    finally:
+        watch.uninstall()
+
+
 # ---------------------------------------------------------------------- end to end
 
 

@@ -100,8 +100,14 @@ class PreemptConfig:
     exit_margin_s: float | None = None
     """Kept free at the end of the grace period for closing groups and exiting; default
     min(2 s, 10% of grace_s)."""
-    check_every_steps: int = 1
-    """Agree on the flag every N steps (one tiny all_reduce each time)."""
+    check_every_steps: int | None = None
+    """Agree on the flag every N steps (one tiny all_reduce each time). None: every
+    `check_interval_s`, counted in steps from the slowest rank's step time, which the same
+    all_reduce carries, so every rank derives the same N."""
+    check_interval_s: float | None = None
+    """With check_every_steps=None: about how often to agree; default min(1 s, 5% of
+    grace_s). The stop comes up to this much after the signal, and the agreement's cost is
+    spread over the steps in between."""
 
     def __post_init__(self) -> None:
         parse_signals(",".join(self.signals))
@@ -113,8 +119,18 @@ class PreemptConfig:
             raise ConfigError(
                 f"exit_margin_s ({self.exit_margin_s}) must be in [0, grace_s={self.grace_s})"
             )
-        if self.check_every_steps < 1:
-            raise ConfigError(f"check_every_steps must be >= 1, got {self.check_every_steps}")
+        if self.check_every_steps is not None and self.check_every_steps < 1:
+            raise ConfigError(
+                f"check_every_steps must be >= 1 or None, got {self.check_every_steps}"
+            )
+        room = self.grace_s - self.exit_margin_s
+        if self.check_interval_s is None:
+            self.check_interval_s = min(1.0, 0.05 * self.grace_s)
+        if not 0 < self.check_interval_s < room:
+            raise ConfigError(
+                f"check_interval_s ({self.check_interval_s}) must be > 0 and below the grace "
+                f"period less its exit margin ({room:g} s): the stop may come that much late"
+            )
 
     @classmethod
     def from_env(cls, overrides: dict[str, Any] | None = None) -> PreemptConfig:
@@ -167,8 +183,12 @@ class PreemptionWatch:
         self.checks = 0
         self.check_s = 0.0
         """Number and total seconds of agree() calls (the steady-state cost)."""
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        # [signal flag, seconds per step since the last agreement], reduced with MAX
+        self._box = torch.zeros(2, dtype=torch.float64)
         self._since_check = 0
+        self._last_check_t: float | None = None
+        self.every = config.check_every_steps or 1
+        """Steps between agreements now (identical on every rank)."""
         self.save_estimate_s: float | None = None
         """Duration of the last synchronous save on this rank: what a final save may take."""
         self._warned_slow_save = False
@@ -216,16 +236,26 @@ class PreemptionWatch:
         """True when any rank got a signal. A collective on the control group every
         `check_every_steps` calls (or when `force`); every rank must call it alike."""
         self._since_check += 1
-        if not force and self._since_check < self.config.check_every_steps:
+        if not force and self._since_check < self.every:
             return False
-        self._since_check = 0
         t0 = time.perf_counter()
-        self._flag[0] = 1 if self.signal_at is not None else 0
+        per_step = 0.0
+        if self._last_check_t is not None:
+            per_step = (t0 - self._last_check_t) / self._since_check
+        self._since_check = 0
+        self._box[0] = 1.0 if self.signal_at is not None else 0.0
+        self._box[1] = per_step
         if self._distributed:
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
-        stop = bool(self._flag[0].item())
+            dist.all_reduce(self._box, op=dist.ReduceOp.MAX, group=self._group)
+        stop = bool(self._box[0] > 0)
+        slowest = float(self._box[1])
+        if self.config.check_every_steps is None and slowest > 0:
+            # the same inputs on every rank, so the same N: the next agreement lines up
+            interval = float(self.config.check_interval_s or 0.0)
+            self.every = max(1, min(10_000, int(interval / slowest)))
         self.checks += 1
-        self.check_s += time.perf_counter() - t0
+        self._last_check_t = time.perf_counter()
+        self.check_s += self._last_check_t - t0
         if stop and self.learned_at is None:
             self.learned_at = time.monotonic()
         return stop
