@@ -47,7 +47,15 @@ __all__ = ["FaultReport", "RunReport", "analyze", "format_report", "plot_timelin
 
 _NEAR_S = 10.0
 """Clean windows of the same attempt within this many seconds are a save window's reference."""
-_DETECTION = ("hang.detected", "fault.detected", "watchdog.exit", "guard.failure", "worker.failed")
+_DETECTION = (
+    "hang.detected",
+    "fault.detected",
+    "watchdog.exit",
+    "guard.failure",
+    "worker.failed",
+    "preempt.forward",  # the supervisor passed a preemption signal on
+    "preempt.stop",  # the ranks agreed to stop for one
+)
 
 
 def _ts(e: dict[str, Any]) -> float:
@@ -65,7 +73,56 @@ def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a kill
             out.append(e)
-    return sorted(out, key=lambda e: e["t"])
+    out.sort(key=lambda e: e["t"])
+    _number_attempts_across_launches(out)
+    return out
+
+
+def _number_attempts_across_launches(events: list[dict[str, Any]]) -> None:
+    """Make `restart` count attempts over the whole run, in place.
+
+    Within one launch `restart` is torch elastic's restart count. A preemption ends the
+    launch, and the next launch (the same command again) counts from 0: its attempts would
+    merge with the first launch's. A rank process's launch is known from its own
+    `runtime.init` (restart 0 starts a new launch for that rank), the supervisor's from its
+    pid; each launch is then offset by the attempts of the launches before it."""
+    rank_launch: dict[tuple[Any, Any], int] = {}
+    launches_of_rank: dict[Any, int] = {}
+    sup_launch: dict[Any, int] = {}
+    most: dict[int, int] = {}  # launch -> highest restart seen in it
+    for e in events:
+        if e.get("event") == "runtime.init" and e.get("rank") is not None:
+            key = (e["rank"], e.get("pid"))
+            if key in rank_launch:
+                continue
+            n = launches_of_rank.get(e["rank"], -1)
+            if int(e.get("restart", 0)) == 0 or n < 0:
+                n += 1
+            launches_of_rank[e["rank"]] = n
+            rank_launch[key] = n
+            most[n] = max(most.get(n, 0), int(e.get("restart", 0)))
+        elif e.get("event") == "supervisor.start" and e.get("pid") not in sup_launch:
+            sup_launch[e.get("pid")] = len(sup_launch)
+    if len(most) < 2:
+        return  # one launch: restart already counts every attempt
+    offset: dict[int, int] = {}
+    acc = 0
+    for n in sorted(most):
+        offset[n] = acc
+        acc += most[n] + 1
+    for e in events:
+        if "restart" not in e:
+            continue
+        launch: int | None
+        if e.get("rank") is not None:
+            launch = rank_launch.get((e["rank"], e.get("pid")))
+        elif e.get("source") == "supervisor":
+            launch = sup_launch.get(e.get("pid"))
+        else:
+            launch = None
+        if launch is not None and launch in offset:
+            e["launch"] = launch
+            e["restart"] = offset[launch] + int(e["restart"])
 
 
 @dataclass(slots=True)

@@ -235,3 +235,38 @@ def test_a_given_save_cost_stands_in_when_the_run_cannot_measure_its_own(run_dir
     rep = analyze(run_dir, mtbf_s=100.0, save_cost_s=0.3)
     assert rep.save_cost_basis == "given" and rep.save_cost_s == pytest.approx(0.3)
     assert rep.blocked_s == pytest.approx(0.1)
+
+
+def test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path: Path) -> None:
+    """A preemption ends the launch and the same command is launched again: its restart count
+    starts at 0 again, yet it is the run's second attempt, and the fault between them (a
+    SIGTERM, detected when the ranks agreed to stop) loses no step."""
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 100, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
+        _progress(0, 0, 5, 1.0, 1.0),
+        {"event": "preempt.stop", "rank": 0, "restart": 0, "pid": 100, "step": 6, "t": 7.2},
+        {
+            "event": "ckpt.save.committed",
+            "rank": 0,
+            "restart": 0,
+            "pid": 100,
+            "step": 6,
+            "mode": "sync",
+            "seconds": 0.2,
+            "t": 7.4,
+        },
+        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 200, "t": 12.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 200, "step": 6, "t": 13.0},
+        {**_progress(0, 6, 9, 13.0, 1.0), "pid": 200},
+    ]
+    for e in ev[2:3]:
+        e["pid"] = 100
+    _write(tmp_path, "rank0.jsonl", ev)
+    _write(tmp_path, "chaos.jsonl", [{"event": "chaos.fault", "kind": "sigterm", "t": 7.0}])
+    rep = analyze(tmp_path)
+    assert rep.attempts == 2 and rep.final_step == 10
+    (fault,) = rep.faults
+    assert fault.kind == "sigterm" and fault.steps_lost == 0
+    assert fault.detect_s == pytest.approx(0.2) and fault.restart_s == pytest.approx(6.0)
+    assert rep.productive_s == pytest.approx(10.0)  # steps 0-9, each once
