@@ -665,17 +665,21 @@ def _check(
         f"; over one interval allowed: {', '.join(why)}" if why else ""
     )
     # c. nothing that failed verification was loaded
-    loads = [e for e in events(run_dir, 0) if e.get("event") == "ckpt.load"]
-    bad = {i.corrupted_step for i in injected if i.corrupted_step is not None}
-    resaved = {
-        e["step"]: e["ts"]
+    # A load of step S is bad when it came after S was damaged and before S was saved
+    # again; a load of S before the damage read it intact.
+    loads = [
+        (_epoch(e["ts"]), int(e["step"]))
         for e in events(run_dir, 0)
-        if e.get("event") == "ckpt.save.committed" and e["step"] in bad and e.get("restart", 0) > 0
-    }
+        if e.get("event") == "ckpt.load"
+    ]
+    damaged_at = {i.corrupted_step: i.wall_time for i in injected if i.corrupted_step is not None}
+    bad = set(damaged_at)
     loaded_bad = [
-        e["step"]
-        for e in loads
-        if e["step"] in bad and not (e["step"] in resaved and resaved[e["step"]] < e["ts"])
+        st
+        for t, st in loads
+        if st in damaged_at
+        and t > damaged_at[st]
+        and not any(damaged_at[st] < tc < t for tc, resaved in commits if resaved == st)
     ]
     fallbacks = sum(1 for e in events(run_dir, 0) if e.get("event") == "ckpt.fallback")
     checks["c_no_corrupt_load"] = "pass" if not loaded_bad else f"fail (loaded {loaded_bad})"

@@ -162,3 +162,60 @@ def test_soak_summary_counts_kinds_losses_and_failures():
         assert f"| `{f.kind}` |" in text
     assert "median 2.50, max 3.00" in text
     assert f"- {b.name}: a: final digest x != golden y" in text
+
+
+def test_checker_counts_a_load_only_after_the_damage(tmp_path: Path):
+    """soak-2026-0062: step 12 was loaded intact, then truncated, then the next attempt fell
+    back to 8 and saved 12 again. Only a load of 12 after the damage and before the re-save
+    breaks (c); the first checker counted the earlier, intact load."""
+    from datetime import datetime, timezone
+
+    from chaos.runner import Injected, _check
+
+    t0 = 1_800_000_000.0
+
+    def ev(t: float, event: str, **kw) -> str:
+        ts = datetime.fromtimestamp(t0 + t, timezone.utc).isoformat().replace("+00:00", "Z")
+        return json.dumps({"event": event, "ts": ts, "rank": 0, **kw})
+
+    def run(load_after_damage: int) -> tuple[dict, list[str]]:
+        out = tmp_path / f"r{load_after_damage}"
+        (out / "run" / "logs").mkdir(parents=True)
+        lines = [
+            ev(0, "runtime.init", pid=1),
+            ev(1, "runtime.resume", step=0),
+            *(ev(1 + s / 4, "ckpt.save.committed", step=s) for s in (4, 8, 12)),
+            ev(10, "runtime.init", pid=2),
+            ev(11, "ckpt.load", step=12),  # before the damage at t=12: intact
+            ev(11, "runtime.resume", step=12),
+            ev(20, "runtime.init", pid=3),
+            ev(21, "ckpt.fallback", step=12),
+            ev(21, "ckpt.load", step=load_after_damage),
+            ev(21, "runtime.resume", step=load_after_damage),
+        ]
+        (out / "run" / "logs" / "rank0.jsonl").write_text("\n".join(lines) + "\n")
+        (out / "run" / "final_digest.json").write_text(json.dumps({"digest": "d", "step": 24}))
+        steps = lambda a, b: "".join(f"step {i} loss 1.0\n" for i in range(a, b))  # noqa: E731
+        (out / "stdout.log").write_text(
+            f"runtime.resume\n{steps(0, 14)}runtime.resume\n{steps(12, 15)}"
+            f"runtime.resume\n{steps(load_after_damage, 24)}"
+        )
+        sc = Scenario(
+            name="c",
+            faults=[Fault(kind="kill_during_save", at_step=13), Fault(kind="truncate", at_step=14)],
+        )
+        injected = [
+            Injected(kind="kill_during_save", rank=0, pid=1, wall_time=t0 + 5, attempt=0),
+            Injected(
+                kind="truncate", rank=0, pid=2, wall_time=t0 + 12, attempt=1, corrupted_step=12
+            ),
+        ]
+        failures: list[str] = []
+        checks = _check(sc, out, {"digest": "d", "wall_s": 10.0}, plan(sc), injected, 20.0,
+                        False, failures)  # fmt: skip
+        return checks, failures
+
+    checks, failures = run(load_after_damage=8)
+    assert checks["c_no_corrupt_load"] == "pass" and not [f for f in failures if f[0] == "c"]
+    checks, failures = run(load_after_damage=12)
+    assert checks["c_no_corrupt_load"] == "fail (loaded [12])"
