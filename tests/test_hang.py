@@ -132,10 +132,16 @@ def test_stopped_rank_is_reported_by_peers_and_killed(tmp_path: Path) -> None:
     assert latency < WATCHDOG["heartbeat_timeout_s"] + 1 + 2, latency
 
 
-def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path) -> None:
-    codes, ranks = launch(tmp_path, [PACE, "kill@rank=1,step=6,phase=forward"], "--steps", "20")
+@pytest.mark.parametrize("mode", ["micro", "none"])
+def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path, mode: str) -> None:
+    """With or without a guard around the step (--mode none: the bare loop, where the peers'
+    failed collective escapes the loop), the survivors name the dead rank and exit PEER_LOST,
+    not as if the collective's error were their own."""
+    faults = [PACE, "kill@rank=1,step=6,phase=forward"]
+    codes, ranks = launch(tmp_path, faults, "--steps", "20", "--mode", mode)
     run = tmp_path / "run"
     assert codes == [ExitCode.PEER_LOST, -9, ExitCode.PEER_LOST], codes
+    assert not [e for e in events(run) if e.get("event") == "worker.exception"]
     fault = only_event(run, "fault.detected")
     assert fault["kind"] == "no_heartbeat" and fault["ranks"] == [1]
     assert fault["named"][0]["state"] == "dead"

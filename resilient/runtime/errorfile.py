@@ -19,12 +19,20 @@ from resilient.log import get_logger
 __all__ = ["install_excepthook"]
 
 
-def install_excepthook(step: Callable[[], int | None]) -> Callable[[], None]:
-    """Chain a sys.excepthook that writes the error file and logs; returns an uninstaller."""
+def install_excepthook(
+    step: Callable[[], int | None], *, divert: Callable[[BaseException], None] | None = None
+) -> Callable[[], None]:
+    """Chain a sys.excepthook that writes the error file and logs; returns an uninstaller.
+
+    `divert`, when given, sees the exception first and may end the process itself (the
+    runtime does for a collective that failed because a peer is gone); if it returns, the
+    exception is recorded as usual."""
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):
+            if divert is not None:
+                divert(exc)
             _record(exc, step)
         previous(exc_type, exc, tb)
 

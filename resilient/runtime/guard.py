@@ -152,6 +152,14 @@ class Guard:
         except Exception as e:
             self.fail_fast(e)
 
+    def on_uncaught(self, exc: BaseException) -> None:
+        """An exception that escaped the training loop (the Runtime's excepthook). A collective
+        that failed because a peer is gone is not this rank's failure: it gets the guard's
+        treatment, as if the loop had been guarded (the monitor names the lost rank, every
+        rank exits PEER_LOST). Anything else returns and is recorded as the rank's own."""
+        if self.ctx.distributed and not self.failing and _classify(exc) == "peer":
+            self.fail_fast(exc)
+
     def fail_fast(self, exc: BaseException) -> NoReturn:
         """Log `exc`, publish a verdict naming this rank and exit with every other rank."""
         wd = self.watchdog

@@ -183,7 +183,9 @@ class Runtime:
             leave_now=lambda: self.guards.failing,
         )
         self.guards.stop_requested = lambda: self.preemption.requested
-        self._uninstall_excepthook = install_excepthook(lambda: self.step)
+        self._uninstall_excepthook = install_excepthook(
+            lambda: self.step, divert=self.guards.on_uncaught
+        )
         self._data: DataPosition | None = None
         self.log.info(
             "runtime.init",
