@@ -17,6 +17,7 @@ from resilient.errors import ConfigError
 from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.preempt import (
     ENV_GRACE_S,
+    ENV_PREEMPT,
     ENV_PREEMPT_SIGNALS,
     PreemptConfig,
     Preempted,
@@ -46,6 +47,14 @@ def test_config_from_environment_and_overrides(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match="RESILIENT_GRACE_S"):
         PreemptConfig.from_env()
     monkeypatch.delenv(ENV_GRACE_S)
+    monkeypatch.setenv(ENV_PREEMPT, '{"check_interval_s": 0.1, "grace_s": 9}')
+    cfg = PreemptConfig.from_env({"grace_s": 5})  # explicit options win over the variable
+    assert cfg.check_interval_s == 0.1 and cfg.grace_s == 5
+    for bad in ("[1]", "{oops"):
+        monkeypatch.setenv(ENV_PREEMPT, bad)
+        with pytest.raises(ConfigError, match="RESILIENT_PREEMPT"):
+            PreemptConfig.from_env()
+    monkeypatch.delenv(ENV_PREEMPT)
     with pytest.raises(ConfigError, match="unknown preempt option"):
         PreemptConfig.from_env({"grace": 3})
     for kw in ({"grace_s": 0}, {"check_every_steps": 0}, {"grace_s": 5, "exit_margin_s": 5}):
@@ -227,3 +236,49 @@ def test_signal_to_one_worker_with_no_time_left_keeps_the_previous_checkpoint(
         )
         == []
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_signal_after_the_last_agreement_still_stops_as_a_preemption(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """Agreements are spread over steps; here none falls inside the run (every 1000 steps).
+    SIGTERM to rank 1 during the last step: the run must not slip into its ordinary final
+    save (which knows nothing of the grace period) and exit 0. One forced agreement at the
+    end makes it a preemption: the final step is committed and every rank exits 85. The next
+    launch resumes at the end and has nothing left to do."""
+    run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
+    args = [
+        "--nproc-per-node=2",
+        f"--run-dir={run_dir}",
+        f"--checkpoint-url={ckpt}",
+        "--grace-period=20",
+        str(WORKER),
+        f"--record={rec}",
+        "--steps=6",
+        "--save-every=100",
+        "--sleep=0.5",
+        '--preempt={"check_every_steps": 1000}',
+    ]
+    proc = start(run_cmd(*args), tmp_path / "first.log")
+    try:
+        wait_for(
+            lambda: any(r["step"] == 5 for r in records(rec) if r["rank"] == 1),
+            120,
+            "the last step on rank 1",
+        )
+        os.kill(worker_pids(run_dir)[1], signal.SIGTERM)  # while its last step sleeps
+        code = proc.wait(timeout=60)
+    finally:
+        kill_tree(proc, tuple(worker_pids(run_dir).values()))
+    assert code == ExitCode.PREEMPTED, (tmp_path / "first.log").read_text()[-3000:]
+    exits = events(run_dir, "preempt.exit")
+    assert len(exits) == 2 and {e["committed"] for e in exits} == {6}
+    assert sorted(e["signalled_here"] for e in events(run_dir, "preempt.stop")) == [False, True]
+    assert _committed(ckpt) == [6]
+
+    code, _, err = launcher.run(run_cmd(*args), timeout=150)
+    assert code == 0, err[-3000:]
+    steps = sorted(r["step"] for r in records(rec) if r["rank"] == 0)
+    assert steps == list(range(6))  # nothing ran twice

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 import os
 import signal
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from resilient.errors import ConfigError
+from resilient.runtime._env import json_object_env
 
 __all__ = [
     "BEAT_DTYPE",
@@ -205,14 +205,8 @@ class WatchdogConfig:
         raw = os.environ.get(ENV_WATCHDOG, "").strip()
         if raw.lower() in {"0", "off", "false", "no"}:
             fields["enabled"] = False
-        elif raw:
-            try:
-                parsed = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"${ENV_WATCHDOG} is not a JSON object: {e}") from e
-            if not isinstance(parsed, dict):
-                raise ConfigError(f"${ENV_WATCHDOG} must be a JSON object, got {raw!r}")
-            fields.update(parsed)
+        else:
+            fields.update(json_object_env(ENV_WATCHDOG))
         fields.update(overrides or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(fields) - known

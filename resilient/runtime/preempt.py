@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from resilient.errors import CheckpointError, ConfigError
 from resilient.log import get_logger
+from resilient.runtime._env import json_object_env
 from resilient.runtime.exitcodes import ExitCode
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_GRACE_S",
     "DEFAULT_SIGNALS",
     "ENV_GRACE_S",
+    "ENV_PREEMPT",
     "ENV_PREEMPT_SIGNALS",
     "PreemptConfig",
     "Preempted",
@@ -53,6 +55,8 @@ ENV_GRACE_S = "RESILIENT_GRACE_S"
 """Seconds from a preemption signal to SIGKILL (set by `resilient run --grace-period`)."""
 ENV_PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
 """Comma-separated signal names that start a coordinated stop; "none" turns handling off."""
+ENV_PREEMPT = "RESILIENT_PREEMPT"
+"""A JSON object of PreemptConfig fields, e.g. '{"check_interval_s": 0.1}'."""
 DEFAULT_GRACE_S = 30.0
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -134,9 +138,9 @@ class PreemptConfig:
 
     @classmethod
     def from_env(cls, overrides: dict[str, Any] | None = None) -> PreemptConfig:
-        """Defaults, then $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, then `overrides`.
-        Raises ConfigError on unknown keys or bad values."""
-        kw: dict[str, Any] = {}
+        """Defaults, then $RESILIENT_PREEMPT, $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS,
+        then `overrides`. Raises ConfigError on unknown keys or bad values."""
+        kw: dict[str, Any] = json_object_env(ENV_PREEMPT)
         raw = os.environ.get(ENV_GRACE_S, "").strip()
         if raw:
             try:

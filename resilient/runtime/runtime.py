@@ -337,8 +337,13 @@ class Runtime:
                 self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
                 if self.step < end and self._should_save():
                     self.save()
-            if self.config.save_at_end and end > start:
-                self.save(blocking=True)
+            if end > start:
+                # Agreements are spread over steps (PreemptConfig.check_interval_s): a signal
+                # since the last one must still stop the run as a preemption, so the final
+                # save keeps to the grace period and the exit code says "preempted".
+                self._check_preempt(start, force=True)
+                if self.config.save_at_end:
+                    self.save(blocking=True)
         finally:
             self.preemption.uninstall()
             self._progress.flush()
@@ -369,11 +374,12 @@ class Runtime:
             self.preemption.note_save(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ preemption, elastic
-    def _check_preempt(self, resumed_at: int) -> None:
-        """Agree across ranks whether a preemption signal arrived; if so, stop (never returns)."""
+    def _check_preempt(self, resumed_at: int, *, force: bool = False) -> None:
+        """Agree across ranks whether a preemption signal arrived; if so, stop (never returns).
+        A collective on the control group when due (or `force`): every rank calls it alike."""
         try:
             with self.watchdog.phase(Phase.AGREE):
-                stop = self.preemption.agree()
+                stop = self.preemption.agree(force=force)
         except (RuntimeError, dist.DistError) as e:  # a peer died during the agreement
             if self.preemption.requested:  # leaving anyway; the group cannot save now
                 exit_now(ExitCode.PEER_LOST, kind="preempt_group_lost", error=str(e)[:300])

@@ -53,11 +53,14 @@ def main() -> None:
     p.add_argument("--extra-mb", type=int, default=0, help="extra checkpointed state (MB)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--watchdog", default=None, help="JSON overrides of the watchdog config")
+    p.add_argument("--preempt", default=None, help="JSON overrides of the preempt config")
     args = p.parse_args()
 
     options: dict = {"save_every_steps": args.save_every, "async_save": not args.sync}
     if args.watchdog:
         options["watchdog"] = json.loads(args.watchdog)
+    if args.preempt:
+        options["preempt"] = json.loads(args.preempt)
     rt = resilient.init(**options)
     dataset, tok = build_dataset(block_size=16, num_chars=40_000, seed=0)
     torch.manual_seed(0)
