@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from chaos.procs import REPO
-from chaos.runner import describe, run_scenario
+from chaos.runner import Result, describe, run_scenario
 from chaos.scenario import Scenario, generate
 
 SCENARIOS = Path(__file__).parent / "scenarios"
@@ -63,21 +63,26 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = generate(args.seed, args.runs)[args.first :]
     started = time.monotonic()
     jobs = max(1, getattr(args, "jobs", 1))
+    summary_path: Path | None = getattr(args, "summary", None)
     with ThreadPoolExecutor(jobs) as pool:  # each scenario is its own process tree
         results = []
         for result in pool.map(lambda sc: run_scenario(sc, args.out, keep=args.keep), scenarios):
             print(describe(result), flush=True)
             results.append(result)
+            if summary_path:  # after every result: a soak cut short keeps what it ran
+                _write_summary(summary_path, results)
     passed = sum(r.ok and not r.skipped for r in results)
     skipped = sum(bool(r.skipped) for r in results)
     failed = len(results) - passed - skipped
     wall = time.monotonic() - started
     print(f"chaos: {passed} passed, {failed} failed, {skipped} skipped in {wall:.0f} s")
-    if getattr(args, "summary", None):
-        args.summary.write_text(
-            json.dumps([asdict(r) for r in results], indent=1, default=str) + "\n"
-        )
     return 0 if failed == 0 else 1
+
+
+def _write_summary(path: Path, results: list[Result]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str) + "\n")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

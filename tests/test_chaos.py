@@ -82,11 +82,15 @@ def test_plan_counts_attempts_and_launches():
 @pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
 def test_matrix_scenario_keeps_every_invariant(path: Path, tmp_path_factory):
     out = tmp_path_factory.getbasetemp() / "chaos"  # shared: golden runs are computed once
-    result = run_scenario(Scenario.load(path), out)
+    sc = Scenario.load(path)
+    result = run_scenario(sc, out)
     if result.skipped:
         pytest.skip(result.skipped)  # disk_full without root: no tmpfs to fill
     assert result.ok, f"{result.failures}\n{result.checks}\nkept in {result.run_dir}"
-    assert result.checks["a_bitwise_equal"] == "pass"
+    if sc.hosts == 1:
+        assert result.checks["a_bitwise_equal"] == "pass"
+    else:  # the world shrank: bits differ by design, the run must still finish
+        assert result.checks["a_bitwise_equal"].endswith("finished: pass")
     assert result.checks["e_no_leftover"] == "pass"
 
 
@@ -178,9 +182,10 @@ def test_checker_counts_a_load_only_after_the_damage(tmp_path: Path):
         ts = datetime.fromtimestamp(t0 + t, timezone.utc).isoformat().replace("+00:00", "Z")
         return json.dumps({"event": event, "ts": ts, "rank": 0, **kw})
 
-    def run(load_after_damage: int) -> tuple[dict, list[str]]:
-        out = tmp_path / f"r{load_after_damage}"
-        (out / "run" / "logs").mkdir(parents=True)
+    def run(load_after_damage: int | None, fallback: bool = True) -> tuple[dict, list[str]]:
+        """None: the restart found nothing valid and started fresh."""
+        out = tmp_path / f"r{load_after_damage}-{fallback}"
+        (out / "run" / "logs").mkdir(parents=True, exist_ok=True)
         lines = [
             ev(0, "runtime.init", pid=1),
             ev(1, "runtime.resume", step=0),
@@ -188,17 +193,21 @@ def test_checker_counts_a_load_only_after_the_damage(tmp_path: Path):
             ev(10, "runtime.init", pid=2),
             ev(11, "ckpt.load", step=12),  # before the damage at t=12: intact
             ev(11, "runtime.resume", step=12),
+            # a newer save can commit between the harness's listing and its kill
+            *([ev(15, "ckpt.save.committed", step=16)] if load_after_damage == 16 else []),
             ev(20, "runtime.init", pid=3),
-            ev(21, "ckpt.fallback", step=12),
-            ev(21, "ckpt.load", step=load_after_damage),
-            ev(21, "runtime.resume", step=load_after_damage),
+            *([ev(21, "ckpt.fallback", step=12)] if fallback else []),
+            ev(21, "ckpt.load", step=load_after_damage)
+            if load_after_damage is not None
+            else ev(21, "ckpt.fresh_start"),
+            ev(21, "runtime.resume", step=load_after_damage or 0),
         ]
         (out / "run" / "logs" / "rank0.jsonl").write_text("\n".join(lines) + "\n")
         (out / "run" / "final_digest.json").write_text(json.dumps({"digest": "d", "step": 24}))
         steps = lambda a, b: "".join(f"step {i} loss 1.0\n" for i in range(a, b))  # noqa: E731
         (out / "stdout.log").write_text(
             f"runtime.resume\n{steps(0, 14)}runtime.resume\n{steps(12, 15)}"
-            f"runtime.resume\n{steps(load_after_damage, 24)}"
+            f"runtime.resume\n{steps(load_after_damage or 0, 24)}"
         )
         sc = Scenario(
             name="c",
@@ -219,3 +228,12 @@ def test_checker_counts_a_load_only_after_the_damage(tmp_path: Path):
     assert checks["c_no_corrupt_load"] == "pass" and not [f for f in failures if f[0] == "c"]
     checks, failures = run(load_after_damage=12)
     assert checks["c_no_corrupt_load"] == "fail (loaded [12])"
+    # the damage must have been noticed: a silent step back to 8, or to a fresh start, fails
+    for load in (8, None):
+        _, failures = run(load_after_damage=load, fallback=False)
+        assert [f for f in failures if "no fallback was logged" in f], (load, failures)
+        _, failures = run(load_after_damage=load, fallback=True)
+        assert not [f for f in failures if f.startswith("c")], (load, failures)
+    # ...but a newer intact checkpoint loaded after the damage needs no fallback
+    _, failures = run(load_after_damage=16, fallback=False)
+    assert not [f for f in failures if f.startswith("c")], failures
