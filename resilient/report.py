@@ -466,7 +466,11 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> Path:
 
     events = load_events(run_dir)
     t0 = min(e["t"] for e in events)
-    ranks = sorted({int(e["rank"]) for e in events if "rank" in e})
+    ranks = sorted(
+        {int(e["rank"]) for e in events if "rank" in e}
+        # a fault's target gets its row even when its own log is missing (killed early)
+        | {int(e.get("target_rank", 0)) for e in events if e.get("event") == "chaos.fault"}
+    )
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(ranks)))
     for e in events:
         r = int(e.get("rank", -1))
@@ -495,6 +499,7 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> Path:
                 markersize=10,
             )
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(min(ranks) - 0.7, max(ranks) + 0.7)
     ax.set_xlabel("seconds since start")
     ax.set_title(
         "steps (green), saves (blue), faults (red X), detections (orange), restarts (dashed)",
