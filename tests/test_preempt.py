@@ -125,6 +125,20 @@ def _committed(url: Path) -> list[int]:
     return [i.step for i in CheckpointManager(CheckpointConfig(url=str(url))).list() if i.committed]
 
 
+def _launch_args(tmp_path: Path, grace_s: float, *worker_args: str) -> list[str]:
+    """`resilient run` on 2 ranks of the supervised worker, with run/, rec/ and ckpt/ under
+    tmp_path."""
+    return [
+        "--nproc-per-node=2",
+        f"--run-dir={tmp_path / 'run'}",
+        f"--checkpoint-url={tmp_path / 'ckpt'}",
+        f"--grace-period={grace_s:g}",
+        str(WORKER),
+        f"--record={tmp_path / 'rec'}",
+        *worker_args,
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
@@ -135,18 +149,12 @@ def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
     there and the run finishes with each step done once. The ranks' DataLoader workers are in
     the process groups the agent signals, and must not take their rank down with them."""
     run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
-    args = [
-        "--nproc-per-node=2",
-        f"--run-dir={run_dir}",
-        f"--checkpoint-url={ckpt}",
-        "--grace-period=20",
-        str(WORKER),
-        f"--record={rec}",
-        "--steps=10",
-        "--save-every=100",
-        "--sleep=0.3",
+    args = _launch_args(
+        tmp_path,
+        20,
+        *("--steps=10", "--save-every=100", "--sleep=0.3"),
         "--workers=2",  # loader workers get the launcher's SIGTERM too (they must ignore it)
-    ]
+    )
     proc = start(run_cmd(*args), tmp_path / "first.log")
     try:
         wait_for(lambda: len(records(rec)) >= 6, 120, "three steps on both ranks")
@@ -190,21 +198,8 @@ def test_signal_to_one_worker_with_no_time_left_keeps_the_previous_checkpoint(
     time the ranks agree at the step boundary the budget is gone, so no save is started; every
     rank leaves with PREEMPTED and the last policy checkpoint stays the newest valid one."""
     run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
-    proc = start(
-        run_cmd(
-            "--nproc-per-node=2",
-            f"--run-dir={run_dir}",
-            f"--checkpoint-url={ckpt}",
-            "--grace-period=0.5",
-            str(WORKER),
-            f"--record={rec}",
-            "--steps=40",
-            "--save-every=2",
-            "--sync",
-            "--sleep=1.0",
-        ),
-        tmp_path / "run.log",
-    )
+    args = _launch_args(tmp_path, 0.5, "--steps=40", "--save-every=2", "--sync", "--sleep=1.0")
+    proc = start(run_cmd(*args), tmp_path / "run.log")
     try:
         wait_for(lambda: len(records(rec)) >= 4, 120, "two steps on both ranks")
         # signal right after an even step s is recorded: its boundary (s + 1 steps done) is
@@ -249,18 +244,12 @@ def test_signal_after_the_last_agreement_still_stops_as_a_preemption(
     end makes it a preemption: the final step is committed and every rank exits 85. The next
     launch resumes at the end and has nothing left to do."""
     run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
-    args = [
-        "--nproc-per-node=2",
-        f"--run-dir={run_dir}",
-        f"--checkpoint-url={ckpt}",
-        "--grace-period=20",
-        str(WORKER),
-        f"--record={rec}",
-        "--steps=6",
-        "--save-every=100",
-        "--sleep=0.5",
+    args = _launch_args(
+        tmp_path,
+        20,
+        *("--steps=6", "--save-every=100", "--sleep=0.5"),
         '--preempt={"check_every_steps": 1000}',
-    ]
+    )
     proc = start(run_cmd(*args), tmp_path / "first.log")
     try:
         wait_for(
