@@ -137,8 +137,10 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid`, its descendants and their process groups (all started by us)."""
+def kill_tree(pid: int, *, wait_s: float = 10.0) -> None:
+    """SIGKILL `pid`, its descendants and their process groups (all started by us), then wait
+    up to `wait_s` until none of them runs: SIGKILL is delivered when the process is next
+    scheduled, which on a loaded machine is not at once, and callers check right after."""
     pids = [pid, *descendants(pid)]
     groups = set()
     for p in pids:
@@ -150,6 +152,9 @@ def kill_tree(pid: int) -> None:
     for g in groups - {os.getpgrp()}:  # never our own group
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(g, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def alive(pid: int) -> bool:
