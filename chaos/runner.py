@@ -601,15 +601,14 @@ def _check(
     #    faults that are retried inside the save must not restart anything (b4).
     stdout = out / "stdout.log"
     steps = _attempt_steps(stdout.read_text(errors="replace") if stdout.exists() else "")
-    resumes = [int(e["step"]) for e in events(run_dir, 0) if e.get("event") == "runtime.resume"]
+    rank0 = list(events(run_dir, 0))  # read once: every check below looks at rank 0's log
+    resumes = [int(e["step"]) for e in rank0 if e.get("event") == "runtime.resume"]
     attempts = len(_inits(run_dir, 0))
     expected_attempts = 1 + sum(1 for p in planned if p.fault.restarts)
     if len(injected) == len(planned) and attempts != expected_attempts:
         failures.append(f"b4: {attempts} attempts, expected {expected_attempts}")
     commits = [
-        (_epoch(e["ts"]), int(e["step"]))
-        for e in events(run_dir, 0)
-        if e.get("event") == "ckpt.save.committed"
+        (_epoch(e["ts"]), int(e["step"])) for e in rank0 if e.get("event") == "ckpt.save.committed"
     ]
     lost: list[int | None] = []
     damaged: dict[int, float] = {}  # step -> when it was damaged
@@ -671,11 +670,7 @@ def _check(
     # c. nothing that failed verification was loaded
     # A load of step S is bad when it came after S was damaged and before S was saved
     # again; a load of S before the damage read it intact.
-    loads = [
-        (_epoch(e["ts"]), int(e["step"]))
-        for e in events(run_dir, 0)
-        if e.get("event") == "ckpt.load"
-    ]
+    loads = [(_epoch(e["ts"]), int(e["step"])) for e in rank0 if e.get("event") == "ckpt.load"]
     damaged_at = {i.corrupted_step: i.wall_time for i in injected if i.corrupted_step is not None}
     loaded_bad = [
         st
@@ -687,17 +682,15 @@ def _check(
     checks["c_no_corrupt_load"] = "pass" if not loaded_bad else f"fail (loaded {loaded_bad})"
     if loaded_bad:
         failures.append(f"c: loaded corrupted checkpoint(s) {loaded_bad}")
-    # The damage must have been noticed where it mattered: when the first load after it
-    # came from an older step, the runtime rejected the damaged one and said so. (The
-    # harness damages the newest commit it sees; a newer one can land between its listing
-    # and the kill, and is then loaded intact with no fallback needed.)
-    # A fresh start after the damage counts as a load of step 0: the damaged checkpoint was
-    # the only one, and it must have been rejected with a fallback all the same.
-    rank0 = list(events(run_dir, 0))
+    # The damage must have been noticed where it mattered: when the first load after it (a
+    # fresh start counts as step 0) came from an older step, the runtime rejected the damaged
+    # one and said so. The harness damages the newest commit it sees; a newer one can land
+    # between its listing and the kill, and is then loaded intact with no fallback needed.
     fallback_at = [_epoch(e["ts"]) for e in rank0 if e.get("event") == "ckpt.fallback"]
     fresh = [(_epoch(e["ts"]), 0) for e in rank0 if e.get("event") == "ckpt.fresh_start"]
+    loads_or_fresh = sorted(loads + fresh)
     for st, td in damaged_at.items():
-        first = next(((t, ld) for t, ld in sorted(loads + fresh) if t > td), None)
+        first = next(((t, ld) for t, ld in loads_or_fresh if t > td), None)
         if (
             first is not None
             and first[1] < st
