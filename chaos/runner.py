@@ -1,6 +1,6 @@
 """Run a scenario against a real multi-process run and check the invariants.
 
-Invariants (DESIGN.md):
+Invariants (docs/internals.md#invariants, as docs/chaos.md checks them):
   a. final model and optimizer state bitwise equal to the fault-free run (same seed, world)
   b. each restart resumes from the newest checkpoint valid at the fault, and checkpoints
      kept up (at most one interval plus one save in flight behind); steps lost reported;

@@ -58,7 +58,7 @@ def build_loader(args: argparse.Namespace, rank: int, world_size: int) -> Statef
         num_workers=args.workers,
         drop_last=True,
         # its own generator: iterator creation then draws nothing from
-        # the global RNG that dropout uses (TORCH_NOTES gotcha 5)
+        # the global RNG that dropout uses (docs/internals.md#g-loader-rng)
         generator=torch.Generator().manual_seed(args.seed),
     )
 

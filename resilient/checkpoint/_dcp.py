@@ -139,7 +139,7 @@ class _StorageFileSystem:
 
     DCP's own FsspecWriter/Reader would call fsspec directly (s3fs's retry loop, not ours; a
     streaming upload that sends parts one at a time; a second filesystem built from the URL
-    alone, TORCH_NOTES gotcha 7). Paths here are relative to the Storage root.
+    alone, docs/internals.md#g-fsspec-writer-options). Paths here are relative to the Storage root.
     """
 
     def __init__(self, storage: Storage) -> None:

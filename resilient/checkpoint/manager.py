@@ -2,7 +2,7 @@
 
 Knows nothing about signals or supervisors. All cross-rank agreement goes through the process
 group it is given, which must not be the training group: async saves run their collectives
-from a background thread while training runs its own (TORCH_NOTES gotcha 3).
+from a background thread while training runs its own (docs/internals.md#g-async-save-group).
 """
 
 from __future__ import annotations

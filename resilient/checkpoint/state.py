@@ -5,7 +5,8 @@ Layout (every top-level key is one DCP entry):
   module share FQNs and DCP can reshard between world sizes.
 - "common": one blob every rank has alike (step, scheduler, user extras); DCP keeps one copy.
 - "rank<R>": one blob per rank (RNG states, dataloader position). Per-rank keys, because DCP
-  keeps a single copy of anything saved under a shared key (TORCH_NOTES gotcha 4).
+  keeps a single copy of anything saved under a shared key
+  (docs/internals.md#g-dcp-replicated-keys).
 Blobs are torch.save'd bytes read back with weights_only=True: plain data and tensors only.
 """
 

@@ -22,7 +22,7 @@ class ResumableBatches:
     """Iterates a loader forever; its state is (epoch, loader position).
 
     The sampler's state is only its position in the epoch, so the epoch is saved here
-    (TORCH_NOTES gotcha 5) and handed to `set_epoch` for reshuffling. Creating an iterator
+    (docs/internals.md#g-loader-rng) and handed to `set_epoch` for reshuffling. Creating an iterator
     draws from the global torch RNG; doing it under fork_rng keeps a resumed run's RNG
     stream identical to an uninterrupted one.
     """

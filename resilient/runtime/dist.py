@@ -3,12 +3,13 @@
 - training group: gloo on CPU, "cpu:gloo,cuda:nccl" on GPU (async save needs a CPU backend).
 - control group (gloo): agreement traffic (save decisions, later heartbeats and OOM votes).
 - checkpoint group (gloo): DCP's collectives, which run from a background thread during async
-  saves; sharing the training group there deadlocked (TORCH_NOTES gotcha 3).
+  saves; sharing the training group there deadlocked (docs/internals.md#g-async-save-group).
 
 Each restart attempt gets its own PrefixStore namespace on the agent's store: reusing the
-store's keys across restarts broke gloo's connectFullMesh (TORCH_NOTES gotcha 2). The attempt is
-$RESILIENT_ATTEMPT when `resilient run` set it (one id per rendezvous round, the same on every
-node), else TORCHELASTIC_RESTART_COUNT (which differs between nodes once one has rejoined).
+store's keys across restarts broke gloo's connectFullMesh
+(docs/internals.md#g-per-attempt-store). The attempt is $RESILIENT_ATTEMPT when
+`resilient run` set it (one id per rendezvous round, the same on every node), else
+TORCHELASTIC_RESTART_COUNT (which differs between nodes once one has rejoined).
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def init_distributed(
 
 
 def shutdown_distributed(ctx: DistContext) -> None:
-    """Barrier, then destroy: destroy alone aborted now and then (TORCH_NOTES gotcha 10)."""
+    """Barrier, then destroy: destroy alone aborted now and then
+    (docs/internals.md#g-destroy-abort)."""
     if ctx.distributed and dist.is_initialized():
         dist.barrier(group=ctx.control_group)
         dist.destroy_process_group()

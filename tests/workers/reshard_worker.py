@@ -101,7 +101,7 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(records, indent=1))
     if distributed:
-        dist.barrier()  # destroy alone aborted now and then (TORCH_NOTES gotcha 10)
+        dist.barrier()  # destroy alone aborted now and then (docs/internals.md#g-destroy-abort)
         dist.destroy_process_group()
 
 

@@ -71,7 +71,7 @@ def main() -> None:
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps({"saved": saved, "loaded": loaded}))
-    dist.barrier()  # destroy alone aborted now and then (TORCH_NOTES gotcha 10)
+    dist.barrier()  # destroy alone aborted now and then (docs/internals.md#g-destroy-abort)
     dist.destroy_process_group()
 
 
