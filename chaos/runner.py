@@ -38,9 +38,8 @@ from chaos.netns import Hosts, netns_unavailable
 from chaos.procs import REPO, Run, alive, descendants, events, latest_event, wait_for
 from chaos.scenario import IN_PROCESS, PREEMPTIONS, Fault, Scenario
 from chaos.storage import LoopbackS3, SmallDisk, small_disk_unavailable
-from resilient.runtime.exitcodes import ExitCode
-from resilient.runtime.heartbeat import ENV_WATCHDOG
-from resilient.runtime.preempt import ENV_PREEMPT
+from resilient.envvars import ENV_PREEMPT, ENV_WATCHDOG
+from resilient.exitcodes import ExitCode
 
 __all__ = ["Result", "run_scenario"]
 

@@ -1,20 +1,52 @@
 """resilient: a fault-tolerant training runtime for PyTorch.
 
-Importing it starts no thread, opens no socket and configures no logger.
+Importing it starts no thread, opens no socket and configures no logger. The public names
+below are imported on first use, so `resilient run` (resilient/supervisor/) and
+`resilient.envvars` load neither the worker runtime nor torch.distributed.checkpoint.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from resilient.checkpoint import CheckpointConfig, CheckpointManager, TrainState, state_digest
-from resilient.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    ConfigError,
-    ResilientError,
-    StorageError,
-)
-from resilient.runtime import ExitCode, Runtime, RuntimeConfig, WatchdogConfig, init
+if TYPE_CHECKING:
+    from resilient.checkpoint import (
+        CheckpointConfig,
+        CheckpointManager,
+        TrainState,
+        state_digest,
+    )
+    from resilient.errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointMismatchError,
+        ConfigError,
+        ResilientError,
+        StorageError,
+    )
+    from resilient.exitcodes import ExitCode
+    from resilient.runtime import Runtime, RuntimeConfig, WatchdogConfig, init
+
+_HOME = {
+    "CheckpointConfig": "resilient.checkpoint",
+    "CheckpointManager": "resilient.checkpoint",
+    "TrainState": "resilient.checkpoint",
+    "state_digest": "resilient.checkpoint",
+    "CheckpointCorruptError": "resilient.errors",
+    "CheckpointError": "resilient.errors",
+    "CheckpointMismatchError": "resilient.errors",
+    "ConfigError": "resilient.errors",
+    "ResilientError": "resilient.errors",
+    "StorageError": "resilient.errors",
+    "ExitCode": "resilient.exitcodes",
+    "Runtime": "resilient.runtime",
+    "RuntimeConfig": "resilient.runtime",
+    "WatchdogConfig": "resilient.runtime",
+    "init": "resilient.runtime",
+}
 
 __all__ = [
     "CheckpointConfig",
@@ -34,3 +66,16 @@ __all__ = [
     "init",
     "state_digest",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'resilient' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

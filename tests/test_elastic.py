@@ -21,9 +21,9 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from chaos.netns import Hosts, netns_unavailable
 from recipes.common.data import build_dataset
 from resilient.errors import ConfigError
+from resilient.exitcodes import ExitCode
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.elastic import DataPosition
-from resilient.runtime.exitcodes import ExitCode
 
 SEED = 0
 

@@ -14,7 +14,7 @@ from run_helpers import WORKER, events, kill_tree, records, run_cmd, start, wait
 
 from resilient.checkpoint import CheckpointConfig, CheckpointManager
 from resilient.errors import ConfigError
-from resilient.runtime.exitcodes import ExitCode
+from resilient.exitcodes import ExitCode
 from resilient.runtime.preempt import (
     ENV_GRACE_S,
     ENV_PREEMPT,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from conftest import Launcher
 from run_helpers import WORKER, events, last_by_step, records, run_cmd
 
 from resilient.errors import ConfigError
-from resilient.runtime.exitcodes import ExitCode, describe
+from resilient.exitcodes import ExitCode, describe
 from resilient.supervisor.agent import peek_exit
 from resilient.supervisor.config import DEFAULT_MAX_RESTARTS, UsageError, parse_command_line
 from resilient.supervisor.policy import RestartPolicy, RestartTracker
@@ -26,6 +27,38 @@ from resilient.supervisor.report import (
     explain_failures,
     repeating_failure,
 )
+
+# ---------------------------------------------------------------------- the contract
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _resilient_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    return {n for n in names if n.startswith("resilient")}
+
+
+def test_supervisor_and_runtime_meet_only_through_the_contract() -> None:
+    for side, other in (("supervisor", "runtime"), ("runtime", "supervisor")):
+        for path in sorted((REPO / "resilient" / side).glob("*.py")):
+            crossing = {m for m in _resilient_imports(path) if m.startswith(f"resilient.{other}")}
+            assert not crossing, f"{path.name} imports {crossing}: use resilient.envvars"
+
+
+def test_the_launcher_loads_neither_the_worker_runtime_nor_dcp() -> None:
+    code = (
+        "import sys, resilient.supervisor.launcher, resilient.envvars, resilient.exitcodes\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('resilient.runtime', "
+        "'resilient.checkpoint', 'torch.distributed.checkpoint'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
 
 # ---------------------------------------------------------------------- restart policy
 

@@ -1,6 +1,6 @@
 """The in-worker runtime: process groups, the tracked state and the checkpointed step loop."""
 
-from resilient.runtime.exitcodes import ExitCode
+from resilient.exitcodes import ExitCode
 from resilient.runtime.heartbeat import WatchdogConfig
 from resilient.runtime.runtime import Runtime, RuntimeConfig, init
 

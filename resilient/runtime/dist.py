@@ -23,11 +23,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.envvars import (
+    ENV_ATTEMPT,  # re-exported: its old home
+    ENV_RUN_ID,
+    TORCHELASTIC_RESTART_COUNT,
+    TORCHELASTIC_RUN_ID,
+    TORCHELASTIC_USE_AGENT_STORE,
+    int_env,
+)
 from resilient.errors import ConfigError
 
 __all__ = ["ENV_ATTEMPT", "DistContext", "init_distributed", "shutdown_distributed"]
-
-ENV_ATTEMPT = "RESILIENT_ATTEMPT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +57,6 @@ class DistContext:
         return self.backend is not None
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from e
-
-
 def init_distributed(
     *, backend: str | None = None, timeout_s: float = 1800.0, side_timeout_s: float = 300.0
 ) -> DistContext:
@@ -68,8 +64,8 @@ def init_distributed(
 
     Raises ConfigError when the environment is incomplete. Waits up to `timeout_s` for peers.
     """
-    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("RESILIENT_RUN_ID") or "local"
+    restart = int_env(TORCHELASTIC_RESTART_COUNT, 0)
+    run_id = os.environ.get(TORCHELASTIC_RUN_ID) or os.environ.get(ENV_RUN_ID) or "local"
     host = socket.gethostname()
     if "RANK" not in os.environ:
         return DistContext(
@@ -81,8 +77,8 @@ def init_distributed(
             host=host,
             backend=None,
         )
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
+    rank, world = int_env("RANK", 0), int_env("WORLD_SIZE", 1)
+    local_rank = int_env("LOCAL_RANK", 0)
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if k not in os.environ]
     if missing:
         raise ConfigError(
@@ -94,12 +90,12 @@ def init_distributed(
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=timeout_s)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    agent_store = os.environ.get(TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
     user_group = dist.is_initialized()
     # when the user made the group, this is our own client connection to the launcher's store
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
-        _env_int("MASTER_PORT", 0),
+        int_env("MASTER_PORT", 0),
         world_size=world,
         is_master=(rank == 0 and not agent_store and not user_group),
         timeout=timeout,

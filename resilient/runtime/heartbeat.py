@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from resilient.envvars import ENV_WATCHDOG, json_object_env
 from resilient.errors import ConfigError
-from resilient.runtime._env import json_object_env
 
 __all__ = [
     "BEAT_DTYPE",
@@ -48,10 +48,6 @@ __all__ = [
     "decode_beats",
     "encode_beat",
 ]
-
-ENV_WATCHDOG = "RESILIENT_WATCHDOG"
-"""JSON object of WatchdogConfig fields that override the defaults (not values passed to
-`resilient.init(watchdog=...)`), e.g. '{"timeout_s": 60}'; "0" or "off" disables the watchdog."""
 
 
 class Phase(enum.IntEnum):

@@ -30,9 +30,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from resilient.envvars import (  # the launcher's contract, re-exported here
+    DEFAULT_GRACE_S,
+    DEFAULT_SIGNALS,
+    ENV_GRACE_S,
+    ENV_PREEMPT,
+    ENV_PREEMPT_SIGNALS,
+    json_object_env,
+    parse_signals,
+)
 from resilient.errors import CheckpointError, ConfigError
 from resilient.log import get_logger
-from resilient.runtime._env import json_object_env
 from resilient.runtime.exitcodes import ExitCode
 
 if TYPE_CHECKING:
@@ -50,34 +58,6 @@ __all__ = [
     "coordinated_stop",
     "parse_signals",
 ]
-
-ENV_GRACE_S = "RESILIENT_GRACE_S"
-"""Seconds from a preemption signal to SIGKILL (set by `resilient run --grace-period`)."""
-ENV_PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
-"""Comma-separated signal names that start a coordinated stop; "none" turns handling off."""
-ENV_PREEMPT = "RESILIENT_PREEMPT"
-"""A JSON object of PreemptConfig fields, e.g. '{"check_interval_s": 0.1}'."""
-DEFAULT_GRACE_S = 30.0
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-
-
-def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """ "SIGTERM,USR1" -> (SIGTERM, SIGUSR1); "" or "none" -> (). Raises ConfigError."""
-    out: list[signal.Signals] = []
-    for raw in text.split(","):
-        name = raw.strip().upper()
-        if not name or name == "NONE":
-            continue
-        name = name if name.startswith("SIG") else f"SIG{name}"
-        sig = getattr(signal, name, None)
-        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(
-                f"{raw.strip()!r} is not a signal that can be handled; use names like "
-                "SIGTERM,SIGUSR1"
-            )
-        if sig not in out:
-            out.append(sig)
-    return tuple(out)
 
 
 class Preempted(SystemExit):

@@ -21,6 +21,7 @@ from torch import nn
 from resilient import log
 from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
+from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_RUN_DIR  # re-exported (README)
 from resilient.errors import ConfigError
 from resilient.runtime._ddp import ddp_modules, pin_buckets
 from resilient.runtime.batches import ResumableBatches
@@ -35,11 +36,6 @@ from resilient.runtime.progress import ProgressLog
 from resilient.runtime.watchdog import Watchdog, exit_now
 
 __all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
-
-# Environment overrides, set by `resilient run` or by hand; they win over defaults, not over
-# values passed explicitly to init().
-ENV_CHECKPOINT_DIR = "RESILIENT_CHECKPOINT_DIR"
-ENV_RUN_DIR = "RESILIENT_RUN_DIR"
 
 
 @dataclass(kw_only=True, slots=True)

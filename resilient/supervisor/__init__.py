@@ -1,6 +1,6 @@
 """`resilient run`: a restart supervisor on torch elastic's agent.
 
-Exit codes: resilient.runtime.exitcodes.ExitCode (PREEMPTED, CRASH_LOOP, RESTARTS_EXHAUSTED,
+Exit codes: resilient.exitcodes.ExitCode (PREEMPTED, CRASH_LOOP, RESTARTS_EXHAUSTED,
 USAGE). The supervisor imports torch elastic; importing this package starts nothing.
 """
 

@@ -34,8 +34,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from resilient.runtime.dist import ENV_ATTEMPT
-from resilient.runtime.exitcodes import ExitCode
+from resilient.envvars import ENV_ATTEMPT
+from resilient.exitcodes import ExitCode
 
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
 

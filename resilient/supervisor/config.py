@@ -23,9 +23,15 @@ from typing import Any, NoReturn
 
 from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
+from resilient.envvars import (
+    DEFAULT_GRACE_S,
+    DEFAULT_SIGNALS,
+    ENV_CHECKPOINT_DIR,
+    ENV_RUN_DIR,
+    parse_signals,
+)
 from resilient.errors import ConfigError
-from resilient.runtime.exitcodes import ExitCode
-from resilient.runtime.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNALS, parse_signals
+from resilient.exitcodes import ExitCode
 from resilient.supervisor.policy import RestartPolicy
 
 __all__ = ["DEFAULT_MAX_RESTARTS", "SupervisorConfig", "UsageError", "parse_command_line"]
@@ -87,14 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("resilient")
     g.add_argument(
         "--run-dir",
-        default=os.environ.get("RESILIENT_RUN_DIR"),
+        default=os.environ.get(ENV_RUN_DIR),
         help="run directory: per-rank event logs, supervisor log and report "
         "(default $RESILIENT_RUN_DIR, else runs/<rdzv id>)",
     )
     g.add_argument(
         "--checkpoint-url",
         "--ckpt-url",
-        default=os.environ.get("RESILIENT_CHECKPOINT_DIR"),
+        default=os.environ.get(ENV_CHECKPOINT_DIR),
         help="checkpoint directory or fsspec URL, exported to workers as "
         "RESILIENT_CHECKPOINT_DIR (default: $RESILIENT_CHECKPOINT_DIR)",
     )

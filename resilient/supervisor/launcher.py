@@ -31,10 +31,16 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args
 
+from resilient.envvars import (
+    ENV_CHECKPOINT_DIR,
+    ENV_GRACE_S,
+    ENV_PREEMPT_SIGNALS,
+    ENV_RUN_DIR,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
+    TORCHELASTIC_SIGNALS_TO_HANDLE,
+)
 from resilient.errors import ResilientError
-from resilient.runtime.exitcodes import ExitCode
-from resilient.runtime.preempt import ENV_GRACE_S, ENV_PREEMPT_SIGNALS
-from resilient.runtime.runtime import ENV_CHECKPOINT_DIR, ENV_RUN_DIR
+from resilient.exitcodes import ExitCode
 from resilient.supervisor.agent import FailureInfo, SupervisedAgent, Verdict
 from resilient.supervisor.config import SupervisorConfig, UsageError, parse_command_line
 from resilient.supervisor.policy import RestartTracker
@@ -270,7 +276,7 @@ def _launch(
     master_addr = master_port = None
     if config.rdzv_backend == "static":
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ[TORCHELASTIC_SIGNALS_TO_HANDLE] = config.signals_to_handle
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -316,7 +322,7 @@ def _early_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`resilient run ARGS`; returns the exit code (see resilient.runtime.exitcodes)."""
+    """`resilient run ARGS`; returns the exit code (see resilient.exitcodes)."""
     try:
         cfg, args = parse_command_line(argv)
         config, entrypoint, cmd_args = config_from_args(args)
@@ -336,9 +342,9 @@ def main(argv: list[str]) -> int:
     if config.max_nodes > 1:
         # torch 2.13's dynamic rendezvous shares the rank-0 agent's TCPStore with the workers
         # but publishes its address only in the round it was created: a node joining a later
-        # round waits for MASTER_ADDR forever (seen in tests/test_elastic.py). Unshared, each
-        # round publishes a fresh address and worker rank 0 hosts the store.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        # round waits for MASTER_ADDR forever (docs/internals.md#g-rdzv-shared-store). Unshared,
+        # each round publishes a fresh address and worker rank 0 hosts the store.
+        os.environ.setdefault(TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
     os.environ[ENV_RUN_DIR] = cfg.run_dir
     if cfg.checkpoint_url is not None:
         os.environ[ENV_CHECKPOINT_DIR] = cfg.checkpoint_url

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient.runtime.exitcodes import ExitCode, describe
+from resilient.exitcodes import ExitCode, describe
 
 __all__ = [
     "AttemptRecord",

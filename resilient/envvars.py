@@ -1,0 +1,134 @@
+"""The environment contract between `resilient run` and its workers, in one place.
+
+The launcher (resilient/supervisor/) and the in-worker runtime (resilient/runtime/) never
+import each other: the launcher sets the variables named here and the workers read them, and
+the workers' exit codes (resilient/exitcodes.py) carry the answer back. This module imports
+nothing from torch, so the launcher can use it without loading the worker runtime.
+
+Every variable a worker reads from its environment has its name here, with what sets it and
+what it means; the parsing helpers both sides need sit next to them. A job script or the
+chaos harness may set the RESILIENT_* ones by hand too; they override defaults, never values
+passed explicitly to `resilient.init()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+from resilient.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_SIGNALS",
+    "ENV_ATTEMPT",
+    "ENV_CHECKPOINT_DIR",
+    "ENV_GRACE_S",
+    "ENV_PREEMPT",
+    "ENV_PREEMPT_SIGNALS",
+    "ENV_RUN_DIR",
+    "ENV_RUN_ID",
+    "ENV_WATCHDOG",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "int_env",
+    "json_object_env",
+    "parse_signals",
+]
+
+# ---------------------------------------------------------------- resilient's own
+ENV_RUN_DIR = "RESILIENT_RUN_DIR"
+"""Run directory: per-rank event logs under <dir>/logs, the supervisor's log and report. Set
+by `resilient run --run-dir`; a worker without it uses runs/<run id>."""
+ENV_CHECKPOINT_DIR = "RESILIENT_CHECKPOINT_DIR"
+"""Checkpoint directory or fsspec URL. Set by `resilient run --checkpoint-url`; a worker
+without it (and without an explicit URL) uses ./checkpoints."""
+ENV_RUN_ID = "RESILIENT_RUN_ID"
+"""Run id of a worker started without torch elastic (TORCHELASTIC_RUN_ID wins)."""
+ENV_ATTEMPT = "RESILIENT_ATTEMPT"
+"""The attempt id every agent of a rendezvous round agreed on; the workers prefix their store
+with it (docs/internals.md#g-per-attempt-store). Set by the supervisor's agent before it
+starts workers; without it the workers use TORCHELASTIC_RESTART_COUNT."""
+ENV_GRACE_S = "RESILIENT_GRACE_S"
+"""Seconds from a preemption signal to SIGKILL (set by `resilient run --grace-period`)."""
+ENV_PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"
+"""Comma-separated signal names that start a coordinated stop; "none" turns handling off. Set
+by `resilient run --preempt-signals`."""
+ENV_PREEMPT = "RESILIENT_PREEMPT"
+"""A JSON object of PreemptConfig fields, e.g. '{"check_interval_s": 0.1}'."""
+ENV_WATCHDOG = "RESILIENT_WATCHDOG"
+"""JSON object of WatchdogConfig fields that override the defaults (not values passed to
+`resilient.init(watchdog=...)`), e.g. '{"timeout_s": 60}'; "0" or "off" disables the watchdog."""
+
+# ---------------------------------------------------------------- torch elastic's
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+"""The rendezvous id, set by torch elastic for every worker; the run id of the event logs."""
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""How many times this node's agent restarted the group (differs between nodes after a
+rejoin, which is why ENV_ATTEMPT exists)."""
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+""""True" when the workers should connect to the agent's TCPStore rather than host one."""
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Where a worker writes its uncaught exception for the agent (resilient/runtime/errorfile.py)."""
+TORCHELASTIC_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""Signals torch elastic's agent turns into SignalException and forwards to the workers; the
+launcher adds the preemption signals."""
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set to "1" by a multi-node `resilient run` (docs/internals.md#g-rdzv-shared-store)."""
+
+DEFAULT_GRACE_S = 30.0
+"""Preemption budget when neither --grace-period nor $RESILIENT_GRACE_S says otherwise."""
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+"""Signals that mean "save and leave" by default."""
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """ "SIGTERM,USR1" -> (SIGTERM, SIGUSR1); "" or "none" -> (). Raises ConfigError."""
+    out: list[signal.Signals] = []
+    for raw in text.split(","):
+        name = raw.strip().upper()
+        if not name or name == "NONE":
+            continue
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(
+                f"{raw.strip()!r} is not a signal that can be handled; use names like "
+                "SIGTERM,SIGUSR1"
+            )
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+def json_object_env(name: str) -> dict[str, Any]:
+    """The JSON object in $`name` ({} when unset or blank). ConfigError naming the variable
+    when it is not a JSON object."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"${name} is not a JSON object: {e}") from e
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"${name} must be a JSON object, got {raw!r}")
+    return parsed
+
+
+def int_env(name: str, default: int) -> int:
+    """The integer in $`name` (`default` when unset or empty). ConfigError naming the variable
+    when it is not an integer."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from e
