@@ -21,8 +21,8 @@ the small models of recipes/ (two buckets) and not measured here for large GPU m
 is why `RuntimeConfig.pin_ddp_buckets` can turn it off.
 
 torch has no public way to choose or persist a bucket layout (the bucket sizes are
-construction options, the order is not), so this is the one place where we call the
-reducer's private methods.
+construction options, the order is not), so this needs the reducer's private methods; they
+are reached only through runtime/_torch_compat.py, which checks them at import.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import weakref
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from resilient.runtime import _torch_compat as tc
 
 __all__ = ["ddp_modules", "pin_buckets", "reset_reducer"]
 
@@ -45,11 +47,11 @@ def ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
 
 def _supported(ddp: DistributedDataParallel) -> str | None:
     """Why the layout of `ddp` cannot be fixed here, or None when it can."""
-    if getattr(ddp, "_use_python_reducer", False):
+    if tc.uses_python_reducer(ddp):
         return "python_reducer"  # compiled-autograd DDP buckets in its own way
-    if getattr(ddp, "_delay_all_reduce_all_params", False):
+    if tc.delays_all_reduce(ddp):
         return "all_params_delayed"  # no reducer buckets in use
-    if not hasattr(ddp, "reducer"):
+    if not hasattr(ddp, "reducer"):  # DDP builds none in some configurations
         return "no_reducer"
     return None
 
@@ -68,14 +70,13 @@ def pin_buckets(ddp: DistributedDataParallel) -> str:
     why = _supported(ddp)
     if why is not None:
         return why
-    if getattr(ddp, "_has_rebuilt_buckets", False):
+    if tc.has_rebuilt_buckets(ddp):
         return "already_rebuilt"
-    reducer = ddp.reducer
     # No-op where DDP never rebuilds, or where a backward already recorded its ready order.
-    reducer._push_all_rebuilt_params()
-    if not reducer._rebuild_buckets():
+    tc.push_all_rebuilt_params(ddp)
+    if not tc.rebuild_buckets(ddp):
         return "never_rebuilt"
-    ddp._has_rebuilt_buckets = True  # what DDP's own forward records after a rebuild
+    tc.set_rebuilt_buckets(ddp, True)  # what DDP's own forward records after a rebuild
     _PINNED.add(ddp)
     return "pinned"
 
@@ -90,9 +91,9 @@ def reset_reducer(ddp: DistributedDataParallel) -> None:
     the layout stays the one every process uses; that is a collective on
     `ddp.process_group`, so every rank calls this at the same point, as the guard does.
     """
-    ddp.reducer._reset_state()
-    ddp._has_rebuilt_buckets = False
+    tc.reset_reducer_state(ddp)
+    tc.set_rebuilt_buckets(ddp, False)
     if ddp in _PINNED:
-        ddp.reducer._push_all_rebuilt_params()
-        if ddp.reducer._rebuild_buckets():
-            ddp._has_rebuilt_buckets = True
+        tc.push_all_rebuilt_params(ddp)
+        if tc.rebuild_buckets(ddp):
+            tc.set_rebuilt_buckets(ddp, True)

@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from resilient.errors import ConfigError
 from resilient.log import get_logger
 from resilient.runtime._ddp import reset_reducer
+from resilient.runtime._torch_compat import is_peer_loss_message
 from resilient.runtime.dist import DistContext
 from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.heartbeat import FLAG_FAILED, FLAG_OOM, Phase
@@ -64,17 +65,6 @@ _SPLIT_KEY = "resilient/guard/split"
 SPLIT_FILE = "micro_batch_split.json"
 """Written to the run directory when the split grows, read by the next attempt."""
 
-# A failing collective after a peer died or hung: not this rank's fault. The monitor names
-# the culprit; this rank only waits for its verdict.
-_PEER_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Timed out waiting",
-    "gloo/transport",
-    "failed to recv",
-)
-
 
 class _Retry(Exception):
     """Raised in the last micro-batch of healthy ranks when the group agreed to retry."""
@@ -83,8 +73,9 @@ class _Retry(Exception):
 def _classify(exc: BaseException) -> str:
     if isinstance(exc, torch.OutOfMemoryError):
         return "oom"
-    msg = str(exc)
-    if isinstance(exc, dist.DistError) or any(m in msg for m in _PEER_MARKERS):
+    # A failing collective after a peer died or hung: not this rank's fault. The monitor
+    # names the culprit; this rank only waits for its verdict.
+    if isinstance(exc, dist.DistError) or is_peer_loss_message(str(exc)):
         return "peer"
     return "exception"
 

@@ -1,10 +1,9 @@
 """torch elastic's LocalElasticAgent with resilient's stop and restart rules.
 
 The agent's own loop (rendezvous, start, monitor, restart on failure or on a membership
-change) is unchanged; this subclass overrides the documented extension points of
-SimpleElasticAgent (`_start_workers`, `_monitor_workers`, `_stop_workers`, `_shutdown`) and is
-the one module of resilient that reads the agent's state (`_pcontext`, `_remaining_restarts`),
-as torch's own LocalElasticAgent does for its D-state check.
+change) is unchanged; this subclass overrides its extension points (starting, monitoring,
+stopping the workers, shutting down) and reads its state (the workers' pids, the restarts
+left) through ElasticAgentBase in supervisor/_torch_compat.py, which holds the private names.
 
 What changes:
 - A failed rank's peers are SIGKILLed at once. torch would send SIGTERM and wait 30 s, but
@@ -31,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from resilient.envvars import ENV_ATTEMPT
 from resilient.exitcodes import ExitCode
+from resilient.supervisor._torch_compat import ElasticAgentBase
 
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
 
@@ -89,7 +88,7 @@ def peek_exit(pid: int) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-class SupervisedAgent(LocalElasticAgent):
+class SupervisedAgent(ElasticAgentBase):
     """LocalElasticAgent whose restarts, kills and stops follow `hooks` (see module doc)."""
 
     def __init__(
@@ -115,15 +114,15 @@ class SupervisedAgent(LocalElasticAgent):
 
     @property
     def restart_count(self) -> int:
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+        return self.max_restarts - self.remaining_restarts
 
     # ------------------------------------------------------------------ start
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.attempt_id = self._agree_attempt_id(worker_group)
         os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
         self._roots = {}
         self._handled = False
-        pids = super()._start_workers(worker_group)
+        pids = super().start_workers(worker_group)
         self._hooks.on_start(
             restart=self.restart_count,
             attempt_id=self.attempt_id,
@@ -146,10 +145,9 @@ class SupervisedAgent(LocalElasticAgent):
         return bytes(store.get(key)).decode()
 
     # ------------------------------------------------------------------ monitor
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        pc = self._pcontext
-        if pc is not None and not self._roots:
-            pids = pc.pids()
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pids = self.worker_pids()
+        if pids is not None and not self._roots:
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
             failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}
             if failed:
@@ -157,7 +155,7 @@ class SupervisedAgent(LocalElasticAgent):
                 alive = [lr for lr, c in codes.items() if c is None]
                 if alive:
                     self._stop_survivors(pids, alive, failed)
-        result = super()._monitor_workers(worker_group)
+        result = super().monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return self._after_failure(worker_group, result)
         return result
@@ -214,7 +212,7 @@ class SupervisedAgent(LocalElasticAgent):
         verdict = self._hooks.on_failure(
             restart=self.restart_count,
             failures=failures,
-            restarts_left=self._remaining_restarts,
+            restarts_left=self.remaining_restarts,
             nodes_waiting=waiting,
         )
         if verdict.action == "rejoin":
@@ -222,25 +220,25 @@ class SupervisedAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.HEALTHY)
         if verdict.action == "stop":
             self.stop_code = verdict.code
-            self._remaining_restarts = 0
+            self.remaining_restarts = 0
         else:
             self._pending_delay = verdict.delay_s
         return result
 
     # ------------------------------------------------------------------ stop
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+    def stop_workers(self, worker_group: WorkerGroup) -> None:
         if worker_group.state == WorkerState.HEALTHY:
             # a membership change: the group is fine; let it save and leave
             self._hooks.on_event("restart.membership", grace_s=self._grace_s)
-            super()._shutdown(self._stop_signal, timeout=int(self._grace_s + 0.999))
+            super().shutdown(self._stop_signal, timeout=int(self._grace_s + 0.999))
         else:
-            super()._shutdown(signal.SIGKILL, timeout=30)
+            super().shutdown(signal.SIGKILL, timeout=30)
         delay, self._pending_delay = self._pending_delay, 0.0
         if delay > 0:
             self._hooks.on_event("restart.backoff", delay_s=round(delay, 3))
             time.sleep(delay)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         if isinstance(sys.exc_info()[1], SignalException) and death_sig in self._preempt_signals:
             # run() is forwarding a signal the launcher got: the workers have the grace period
             # to commit; a repeated signal (Slurm signals every process of the step) must not
@@ -249,4 +247,4 @@ class SupervisedAgent(LocalElasticAgent):
                 with contextlib.suppress(ValueError, OSError):
                     signal.signal(sig, signal.SIG_IGN)
             self._hooks.on_event("preempt.forward", signal=death_sig.name, grace_s=timeout)
-        super()._shutdown(death_sig, timeout)
+        super().shutdown(death_sig, timeout)

@@ -21,8 +21,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from torch.distributed.run import get_args_parser, parse_min_max_nnodes
-
 from resilient.envvars import (
     DEFAULT_GRACE_S,
     DEFAULT_SIGNALS,
@@ -32,6 +30,7 @@ from resilient.envvars import (
 )
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
+from resilient.supervisor._torch_compat import get_args_parser, parse_min_max_nnodes
 from resilient.supervisor.policy import RestartPolicy
 
 __all__ = ["DEFAULT_MAX_RESTARTS", "SupervisorConfig", "UsageError", "parse_command_line"]

@@ -29,7 +29,6 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
-from torch.distributed.run import config_from_args
 
 from resilient.envvars import (
     ENV_CHECKPOINT_DIR,
@@ -41,6 +40,7 @@ from resilient.envvars import (
 )
 from resilient.errors import ResilientError
 from resilient.exitcodes import ExitCode
+from resilient.supervisor._torch_compat import config_from_args
 from resilient.supervisor.agent import FailureInfo, SupervisedAgent, Verdict
 from resilient.supervisor.config import SupervisorConfig, UsageError, parse_command_line
 from resilient.supervisor.policy import RestartTracker

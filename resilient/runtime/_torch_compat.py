@@ -1,0 +1,115 @@
+"""Every torch internal the runtime uses, checked at import: DDP's reducer and error texts.
+
+- DDP's reducer (`_push_all_rebuilt_params`, `_rebuild_buckets`, `_reset_state`) and the DDP
+  attributes that say what it does (`_has_rebuilt_buckets`, `_use_python_reducer`,
+  `_delay_all_reduce_all_params`): torch has no public way to choose or keep a bucket layout,
+  which exact resume needs (docs/internals.md#g-ddp-bucket-layout). Used by runtime/_ddp.py.
+- The text of the errors a collective raises when a peer is gone
+  (docs/internals.md#g-dead-and-hung-peers): gloo raises a plain RuntimeError, not a
+  DistError, for a closed connection, and only `monitored_barrier`'s message names a missing
+  rank. Text cannot be checked at import; tests/test_guard.py and tests/test_hang.py produce
+  these errors for real. A changed text is not silent either: the failure is then reported
+  as the rank's own exception (ExitCode.RANK_EXCEPTION) instead of PEER_LOST.
+
+A torch without one of the names fails here, at import, with TorchCompatError naming the
+torch version and the feature (resilient/_torch_check.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from resilient._torch_check import require_attrs, require_self_attrs
+
+__all__ = [
+    "PEER_LOSS_MARKERS",
+    "barrier_missing_ranks",
+    "delays_all_reduce",
+    "has_rebuilt_buckets",
+    "is_peer_loss_message",
+    "push_all_rebuilt_params",
+    "rebuild_buckets",
+    "reset_reducer_state",
+    "set_rebuilt_buckets",
+    "uses_python_reducer",
+]
+
+_FEATURE = "pinning DDP's gradient buckets for exact resume (runtime/_ddp.py)"
+require_attrs(
+    dist.Reducer,
+    ("_push_all_rebuilt_params", "_rebuild_buckets", "_reset_state"),
+    feature=_FEATURE,
+)
+require_self_attrs(
+    DistributedDataParallel,
+    ("_has_rebuilt_buckets", "_use_python_reducer", "_delay_all_reduce_all_params", "reducer"),
+    feature=_FEATURE,
+)
+
+
+# ---------------------------------------------------------------- DDP reducer
+def uses_python_reducer(ddp: DistributedDataParallel) -> bool:
+    """Compiled-autograd DDP, which buckets in its own way."""
+    return bool(ddp._use_python_reducer)
+
+
+def delays_all_reduce(ddp: DistributedDataParallel) -> bool:
+    """Every parameter's all-reduce is delayed to the end: DDP built no reducer."""
+    return bool(ddp._delay_all_reduce_all_params)
+
+
+def has_rebuilt_buckets(ddp: DistributedDataParallel) -> bool:
+    return bool(ddp._has_rebuilt_buckets)
+
+
+def set_rebuilt_buckets(ddp: DistributedDataParallel, value: bool) -> None:
+    """What DDP's own forward records after a rebuild (and `_reset_state`'s callers clear)."""
+    ddp._has_rebuilt_buckets = value
+
+
+def push_all_rebuilt_params(ddp: DistributedDataParallel) -> None:
+    """Record every parameter, in DDP's order, as the next rebuild's order (DDP's join hook
+    does this for ranks that ran out of data)."""
+    ddp.reducer._push_all_rebuilt_params()
+
+
+def rebuild_buckets(ddp: DistributedDataParallel) -> bool:
+    """Rebuild the buckets from the recorded order; False where DDP never rebuilds. A
+    collective on `ddp.process_group`."""
+    return bool(ddp.reducer._rebuild_buckets())
+
+
+def reset_reducer_state(ddp: DistributedDataParallel) -> None:
+    """Disarm the reducer after a backward that never came (as DDP's own
+    `_update_process_group` does)."""
+    ddp.reducer._reset_state()
+
+
+# ---------------------------------------------------------------- error texts
+PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "gloo/transport",
+    "failed to recv",
+)
+"""Fragments of the errors a collective raises after a peer died or hung (torch 2.13, gloo)."""
+
+_BARRIER_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def is_peer_loss_message(text: str) -> bool:
+    """The error text says a peer is gone (not this rank's own fault)."""
+    return any(m in text for m in PEER_LOSS_MARKERS)
+
+
+def barrier_missing_ranks(text: str) -> list[int] | None:
+    """The ranks a failed `monitored_barrier` names (rank 0 only gets them), or None."""
+    match = _BARRIER_RANKS.search(text)
+    if match is None:
+        return None
+    return [int(r) for r in match.group(1).replace(" ", "").split(",") if r]

@@ -1,0 +1,112 @@
+"""Every torch elastic internal the supervisor uses, checked at import.
+
+`resilient run` reuses torch elastic's agent loop and torchrun's own parser rather than forking
+them. That needs names torch does not document as an API:
+
+- `SimpleElasticAgent`'s extension points `_start_workers`, `_monitor_workers`,
+  `_stop_workers` and `_shutdown`: `ElasticAgentBase` below is the only class that overrides
+  them. It forwards each to a method of ours (`start_workers`, ...) whose default is torch's
+  behaviour, so resilient/supervisor/agent.py overrides public names and calls `super()`.
+- The agent's state `_pcontext` (the worker processes; read for their pids) and
+  `_remaining_restarts` (set to 0 to stop restarting), as torch's own LocalElasticAgent uses
+  them: `worker_pids()` and `remaining_restarts` below.
+- `torch.distributed.run`'s `get_args_parser`, `parse_min_max_nnodes` and `config_from_args`:
+  torchrun's flags, environment defaults and LaunchConfig, unchanged.
+
+A torch without one of them fails here, at import, with TorchCompatError naming the torch
+version and the feature (resilient/_torch_check.py), not in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from resilient._torch_check import (
+    require_attrs,
+    require_import,
+    require_params,
+    require_self_attrs,
+)
+
+__all__ = ["ElasticAgentBase", "config_from_args", "get_args_parser", "parse_min_max_nnodes"]
+
+_AGENT = "resilient run's supervised agent (resilient/supervisor/agent.py)"
+_HOOKS = {
+    "_start_workers": ("worker_group",),
+    "_monitor_workers": ("worker_group",),
+    "_stop_workers": ("worker_group",),
+    "_shutdown": ("death_sig", "timeout"),
+}
+require_attrs(LocalElasticAgent, _HOOKS, feature=_AGENT)
+for _hook, _params in _HOOKS.items():
+    require_params(getattr(LocalElasticAgent, _hook), _params, feature=_AGENT)
+require_self_attrs(LocalElasticAgent, ("_pcontext", "_remaining_restarts"), feature=_AGENT)
+require_attrs(SimpleElasticAgent, ("get_worker_group",), feature=_AGENT)
+
+_PARSER = "resilient run's command line (torchrun's own flags)"
+get_args_parser = require_import("torch.distributed.run", "get_args_parser", feature=_PARSER)
+parse_min_max_nnodes = require_import(
+    "torch.distributed.run", "parse_min_max_nnodes", feature=_PARSER
+)
+config_from_args = require_import("torch.distributed.run", "config_from_args", feature=_PARSER)
+
+
+class ElasticAgentBase(LocalElasticAgent):
+    """LocalElasticAgent with its private extension points under our own names.
+
+    Subclasses override `start_workers`, `monitor_workers`, `stop_workers` and `shutdown`
+    (each defaults to torch's behaviour) and read the agent's state through `worker_pids()`,
+    `remaining_restarts` and `max_restarts`.
+    """
+
+    # torch's private hooks, called by its agent loop: forwarded to ours
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        return self.start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return self.monitor_workers(worker_group)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self.stop_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self.shutdown(death_sig, timeout)
+
+    # ours, defaulting to torch's behaviour
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """Start the group's processes; returns local rank -> pid."""
+        return super()._start_workers(worker_group)
+
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """One look at the group's processes."""
+        return super()._monitor_workers(worker_group)
+
+    def stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop the group before a restart (torch: SIGTERM, then SIGKILL after 30 s)."""
+        super()._stop_workers(worker_group)
+
+    def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """Signal the workers with `death_sig`, SIGKILL them after `timeout` s, free resources."""
+        super()._shutdown(death_sig, timeout)
+
+    # the agent's state
+    def worker_pids(self) -> dict[int, int] | None:
+        """Local rank -> pid of the running group; None before the first start."""
+        pc = self._pcontext
+        return None if pc is None else dict(pc.pids())
+
+    @property
+    def max_restarts(self) -> int:
+        return int(self.get_worker_group().spec.max_restarts)
+
+    @property
+    def remaining_restarts(self) -> int:
+        return int(self._remaining_restarts)
+
+    @remaining_restarts.setter
+    def remaining_restarts(self, value: int) -> None:
+        self._remaining_restarts = value
