@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from resilient.proctree import alive, descendants, kill_tree
 
 __all__ = [
     "Run",
@@ -24,11 +25,22 @@ __all__ = [
     "events",
     "kill_tree",
     "latest_event",
+    "spawn",
     "torchrun_cmd",
     "wait_for",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def spawn(
+    cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None, **popen: Any
+) -> subprocess.Popen[Any]:
+    """Start `cmd` in a session of its own (so its tree can be killed apart from ours), in the
+    checkout, with the checkout first on PYTHONPATH; `popen` goes to subprocess.Popen."""
+    full = {**os.environ, **(env or {})}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
+    return subprocess.Popen(list(cmd), env=full, cwd=cwd or REPO, start_new_session=True, **popen)
 
 
 def torchrun_cmd(
@@ -70,14 +82,7 @@ class Run:
         self.log_path = log_path
         self._log = log_path.open("ab" if append else "wb")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            list(cmd),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            cwd=cwd or REPO,
-            start_new_session=True,
-        )
+        self.proc = spawn(cmd, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float) -> int:
         """Exit code; on timeout the whole group is killed and TimeoutError raised."""
@@ -99,14 +104,15 @@ class Run:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def kill(self) -> None:
-        """SIGKILL the run's whole process tree: launcher, workers, dataloader workers.
+    def kill(self, also: Sequence[int] = ()) -> None:
+        """SIGKILL the run's whole process tree: launcher, workers, dataloader workers, and
+        the pids in `also` (workers a crashed launcher left behind) with their trees.
 
         Killing the launcher's process group is not enough: torch elastic starts every worker
         in a session of its own, so the tree is collected first (killing a parent first would
         reparent its children out of reach), then every process and group in it is killed.
         """
-        kill_tree(self.proc.pid)
+        kill_tree(self.proc.pid, also=also, groups=(self.proc.pid,))
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         if not self._log.closed:
@@ -118,52 +124,6 @@ class Run:
     def __exit__(self, *exc: object) -> None:
         # a worker may outlive its launcher (its own session): sweep the whole tree
         self.kill()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid`, found through /proc (children before grandchildren)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int, *, wait_s: float = 10.0) -> None:
-    """SIGKILL `pid`, its descendants and their process groups (all started by us), then wait
-    up to `wait_s` until none of them runs: SIGKILL is delivered when the process is next
-    scheduled, which on a loaded machine is not at once, and callers check right after."""
-    pids = [pid, *descendants(pid)]
-    groups = set()
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            groups.add(os.getpgid(p))
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
-    for g in groups - {os.getpgrp()}:  # never our own group
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(g, signal.SIGKILL)
-    deadline = time.monotonic() + wait_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def alive(pid: int) -> bool:
-    """True if `pid` runs and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def events(run_dir: Path, rank: int | None = None) -> Iterator[dict[str, Any]]:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from chaos.procs import REPO
+from chaos.procs import spawn
 
 __all__ = ["Ranks", "free_port"]
 
@@ -46,11 +46,8 @@ class Ranks:
         self.started = time.monotonic()
         self.logs = [log_dir / f"rank{r}.out" for r in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         for r in range(n):
             rank_env = {
-                **os.environ,
-                "PYTHONPATH": pythonpath,
                 "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": "1",
                 **(env or {}),
@@ -62,16 +59,8 @@ class Ranks:
                 "MASTER_PORT": str(port),
             }
             with self.logs[r].open("wb") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, *argv],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=rank_env,
-                        cwd=REPO,
-                        start_new_session=True,
-                    )
-                )
+                cmd = [sys.executable, *argv]
+                self.procs.append(spawn(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT))
 
     @property
     def pids(self) -> list[int]:

@@ -40,6 +40,7 @@ from chaos.scenario import IN_PROCESS, PREEMPTIONS, Fault, Scenario
 from chaos.storage import LoopbackS3, SmallDisk, small_disk_unavailable
 from resilient.envvars import ENV_PREEMPT, ENV_WATCHDOG
 from resilient.exitcodes import ExitCode
+from resilient.proctree import group_alive
 
 __all__ = ["Result", "run_scenario"]
 
@@ -407,14 +408,6 @@ def _epoch(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _two_hosts(
     env: _Env,
     hosts: Hosts,
@@ -542,7 +535,7 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
                 # worker pid the run logged, not just the launcher's process group
                 pids = {int(e["pid"]) for r in range(sc.nproc) for e in _inits(env.run_dir, r)}
                 leftover += [p for p in (*descendants(run.proc.pid), *pids) if alive(p)]
-                if _group_alive(run.proc.pid):
+                if group_alive(run.proc.pid):
                     leftover.append(run.proc.pid)
             rcs.append(rc)
             expected = 0 if launch == launches - 1 else int(ExitCode.PREEMPTED)

@@ -1,17 +1,12 @@
-"""Shared fixtures: free ports, subprocess launchers (torchrun or plain python), event logs.
+"""Fixtures: subprocess launchers (torchrun or plain python) and a run's event log.
 
-Launched processes run in their own process group so a hung rank can be killed with its
-launcher; every launch has a timeout, and the session kills whatever is still alive at the end.
+Launched processes run in their own session so a hung rank can be killed with its launcher;
+every launch has a timeout, and the session kills whatever is still alive at the end. The
+helpers behind them live in tests/helpers.py, which test modules import directly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,75 +14,9 @@ from typing import Any
 
 import pytest
 import structlog
+from helpers import WORKERS, Launcher, Result, free_port, read_events
 
-from chaos.procs import kill_tree
 from resilient import log
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
-
-Result = tuple[int, str, str]
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL `proc`'s whole tree: torch elastic starts workers in sessions of their own,
-    so the process group `proc` leads would miss them."""
-    kill_tree(proc.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-class Launcher:
-    """Runs commands in their own process group with a timeout; kills leftovers on close."""
-
-    def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[str]] = []
-
-    def run(self, cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result:
-        """Run `cmd` to completion; return (returncode, stdout, stderr).
-
-        On timeout the whole process group is killed and pytest fails with the output so far.
-        """
-        full_env = {**os.environ, **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH", "")) if p
-        )
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
-        self._procs.append(proc)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, err = proc.communicate()
-            pytest.fail(
-                f"{' '.join(cmd)} timed out after {timeout} s\n--- stdout\n{out[-4000:]}\n"
-                f"--- stderr\n{err[-8000:]}"
-            )
-        finally:
-            _kill_group(proc)  # ranks a crashed launcher left behind
-        return proc.returncode, out, err
-
-    def close(self) -> None:
-        for proc in self._procs:
-            _kill_group(proc)
-            if proc.poll() is None:
-                proc.wait(timeout=10)
-        self._procs.clear()
 
 
 @pytest.fixture(scope="session")
@@ -142,14 +71,6 @@ def python_proc(launcher: Launcher) -> Callable[..., Result]:
 def _script(script: str | Path) -> Path:
     p = Path(script)
     return p if p.is_absolute() else WORKERS / p
-
-
-def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """JSON-lines events of one rank's log file, optionally only those named `event`."""
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if event is None or r.get("event") == event]
 
 
 @pytest.fixture

@@ -7,14 +7,22 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import Launcher
-from run_helpers import WORKER, env, events, kill_tree, last_by_step, records, run_cmd, wait_for
+from helpers import (
+    SUPERVISED_WORKER,
+    Launcher,
+    kill_tree,
+    last_by_step,
+    records,
+    run_cmd,
+    run_events,
+    spawn,
+    wait_for,
+)
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -150,7 +158,7 @@ def test_world_shrinks_and_grows_between_runs(tmp_path: Path, launcher: Launcher
     base = [
         f"--run-dir={tmp_path / 'run'}",
         f"--checkpoint-url={tmp_path / 'ckpt'}",
-        str(WORKER),
+        str(SUPERVISED_WORKER),
         f"--record={tmp_path / 'rec'}",
         "--steps=12",
         "--save-every=100",
@@ -164,7 +172,7 @@ def test_world_shrinks_and_grows_between_runs(tmp_path: Path, launcher: Launcher
         assert code == 0, err[-3000:]
     shape = _check_samples(tmp_path / "rec", 12, global_batch=8)
     assert shape == [(2, 1)] * 4 + [(1, 2)] * 4 + [(2, 1)] * 4
-    resharded = events(tmp_path / "run", "data.reshard")
+    resharded = run_events(tmp_path / "run", "data.reshard")
     assert {(e["saved_world_size"], e["world_size"], e["consumed"]) for e in resharded} == {
         (2, 1, 32),
         (1, 2, 64),
@@ -210,7 +218,7 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
                 f"--checkpoint-url={ckpt}",
                 "--restart-backoff=0.2",
                 "--restart-jitter=0",
-                str(WORKER),
+                str(SUPERVISED_WORKER),
                 f"--record={rec}",
                 "--steps=400",  # more than the test needs: it ends the run with SIGTERM
                 "--save-every=4",
@@ -220,9 +228,7 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
             ),
         ]  # fmt: skip
         with (tmp_path / log).open("wb") as out:
-            p = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), start_new_session=True
-            )
+            p = spawn(cmd, stdout=out, stderr=subprocess.STDOUT)
         procs.append(p)
         return p
 
@@ -236,29 +242,43 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
     try:
         hosts.up()
         agent(1, "B.log")  # waits for A's rendezvous store, so both join the first round
-        time.sleep(0.5)
+        wait_for(
+            lambda: run_events(tmp_path / "runB", "supervisor.start"),
+            timeout=60,
+            what="B's agent at its rendezvous",
+        )
         a = agent(0, "A.log")
         # each two-host phase outlives a checkpoint, so no replay hides it in the step record
-        wait_for(lambda: len(at(2)) >= 6 and committed() >= 4, 150, "a checkpoint on two hosts")
+        wait_for(
+            lambda: len(at(2)) >= 6 and committed() >= 4,
+            timeout=150,
+            what="a checkpoint on two hosts",
+        )
         n2 = len(at(2))
         hosts.link(False)
-        wait_for(lambda: len(at(1)) >= 4, 120, "four steps on host A alone (link cut)")
+        wait_for(lambda: len(at(1)) >= 4, timeout=120, what="four steps on host A alone (link cut)")
         hosts.link(True)
-        wait_for(lambda: len(at(2)) > n2, 120, "B's return after its link came back")
+        wait_for(lambda: len(at(2)) > n2, timeout=120, what="B's return after its link came back")
         back = at(2)[n2]  # the step the two hosts went on from (committed by the stop)
         wait_for(
             lambda: committed() >= back + 4 and max(at(2)) > committed(),
-            120,
-            "a checkpoint after B's return",
+            timeout=120,
+            what="a checkpoint after B's return",
         )
         n1 = len(at(1))
         hosts.kill(1)
-        wait_for(lambda: len(at(1)) >= n1 + 4, 120, "four steps on host A alone (B killed)")
+        wait_for(
+            lambda: len(at(1)) >= n1 + 4, timeout=120, what="four steps on host A alone (B killed)"
+        )
         n2 = len(at(2))
         b2 = agent(1, "B2.log")
-        wait_for(lambda: len(at(2)) > n2, 120, "the new agent on B admitted")
+        wait_for(lambda: len(at(2)) > n2, timeout=120, what="the new agent on B admitted")
         back = at(2)[n2]
-        wait_for(lambda: committed() >= back + 4, 120, "a checkpoint after the second return")
+        wait_for(
+            lambda: committed() >= back + 4,
+            timeout=120,
+            what="a checkpoint after the second return",
+        )
         a.send_signal(signal.SIGTERM)  # the end: both hosts stop at one step with a save
         assert a.wait(timeout=120) == ExitCode.PREEMPTED, (tmp_path / "A.log").read_text()[-4000:]
         assert b2.wait(timeout=60) == ExitCode.PREEMPTED, (tmp_path / "B2.log").read_text()[-4000:]
@@ -271,7 +291,7 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
         for p in procs:
-            kill_tree(p)
+            kill_tree(p.pid, groups=(p.pid,))
     steps = committed()  # the stop's checkpoint: every step before it ran, none after
     assert steps == max(r["step"] for r in records(rec)) + 1
     shape = _check_samples(rec, steps, global_batch=8)
@@ -280,11 +300,11 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
     assert phases == [2, 1, 2, 1, 2], worlds
     assert {acc for w, acc in shape if w == 1} == {2}  # the global batch kept by accumulation
     run_a = tmp_path / "runA"
-    lost = events(run_a, "fault.detected")
+    lost = run_events(run_a, "fault.detected")
     assert [e["kind"] for e in lost] == ["no_heartbeat", "no_heartbeat"]
     assert all(len(e["ranks"]) == 1 for e in lost)
-    assert len(events(run_a, "restart.membership")) >= 2  # B admitted at a rendezvous, twice
+    assert len(run_events(run_a, "restart.membership")) >= 2  # B admitted at a rendezvous, twice
     # each return of B stopped A's lone worker with a save at the step training went on from
     rejoined = [i for i in range(1, steps) if worlds[i - 1] == 1 and worlds[i] == 2]
-    saved = {e["step"] for e in events(run_a, "preempt.exit") if e["committed"] == e["step"]}
+    saved = {e["step"] for e in run_events(run_a, "preempt.exit") if e["committed"] == e["step"]}
     assert set(rejoined) <= saved, (rejoined, saved)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_hang import exit_events, launch, only_event
+from helpers import exit_events, launch_ranks, only_event
 
 from chaos.procs import events, latest_event
 from resilient.errors import ConfigError
@@ -120,7 +120,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = {}
     for name, splits in (("1to2", "3:2"), ("2to4", "0:2,3:4")):
         d = tmp_path_factory.mktemp(f"ref-{name}")
-        codes, _ = launch(d, [], *STEPS, "--splits", splits)
+        codes, _ = launch_ranks(d, [], *STEPS, "--splits", splits)
         assert codes == [0, 0, 0]
         out[name] = digest(d)
     return out
@@ -140,7 +140,7 @@ def test_ddp_oom_retry_is_bitwise_the_smaller_split(
     no_sync backward): every rank retries the batch in twice as many micro-batches and the
     run ends bit-for-bit where a run that used that split from step 3 on ends."""
     args = [*STEPS, "--splits", splits] if splits else STEPS
-    codes, _ = launch(tmp_path, [f"oom@rank=1,step=3,phase={phase}"], *args)
+    codes, _ = launch_ranks(tmp_path, [f"oom@rank=1,step=3,phase={phase}"], *args)
     run = tmp_path / "run"
     assert codes == [0, 0, 0], codes
     (fail,) = failures(run)
@@ -157,7 +157,9 @@ def test_ddp_oom_retry_is_bitwise_the_smaller_split(
 @pytest.mark.timeout(150)
 def test_oom_at_the_floor_exits_together_and_the_split_carries(tmp_path: Path) -> None:
     floor = {"min_micro_batch_size": 2}
-    codes, _ = launch(tmp_path, ["oom@rank=1,step=2,phase=forward,times=3"], *STEPS, watchdog=floor)
+    codes, _ = launch_ranks(
+        tmp_path, ["oom@rank=1,step=2,phase=forward,times=3"], *STEPS, watchdog=floor
+    )
     run = tmp_path / "run"
     assert codes == [ExitCode.OOM] * 3, codes
     agreed = only_event(run, "guard.agreed")
@@ -167,7 +169,7 @@ def test_oom_at_the_floor_exits_together_and_the_split_carries(tmp_path: Path) -
     assert exit_events(run) == {r: ExitCode.OOM for r in range(3)}
     assert json.loads((run / SPLIT_FILE).read_text())["split"] == 4
     # the next attempt starts at the split the last one reached
-    codes, _ = launch(tmp_path, [], *STEPS, watchdog=floor)
+    codes, _ = launch_ranks(tmp_path, [], *STEPS, watchdog=floor)
     assert codes == [0, 0, 0], codes
     carried = latest_event(run, "guard.split", rank=0)
     assert carried is not None and carried["split"] == 4
@@ -176,14 +178,14 @@ def test_oom_at_the_floor_exits_together_and_the_split_carries(tmp_path: Path) -
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fsdp_oom_exits_fast_and_restarts_with_the_carried_split(tmp_path: Path) -> None:
-    codes, _ = launch(tmp_path, ["oom@rank=1,step=3,phase=forward"], *STEPS, "--fsdp")
+    codes, _ = launch_ranks(tmp_path, ["oom@rank=1,step=3,phase=forward"], *STEPS, "--fsdp")
     run = tmp_path / "run"
     assert codes == [ExitCode.OOM] * 3, codes
     fault = only_event(run, "fault.detected")
     assert fault["kind"] == "failure" and fault["ranks"] == [1] and fault["rank"] == 1
     assert "OutOfMemoryError" in fault["reason"]
     assert json.loads((run / SPLIT_FILE).read_text())["split"] == 2
-    codes, _ = launch(tmp_path, [], *STEPS, "--fsdp")
+    codes, _ = launch_ranks(tmp_path, [], *STEPS, "--fsdp")
     assert codes == [0, 0, 0], codes
     carried = latest_event(run, "guard.split", rank=0)
     assert carried is not None and carried["split"] == 2
@@ -192,7 +194,9 @@ def test_fsdp_oom_exits_fast_and_restarts_with_the_carried_split(tmp_path: Path)
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plain_guard_exception_takes_the_group_down(tmp_path: Path) -> None:
-    codes, _ = launch(tmp_path, ["raise@rank=2,step=3,phase=forward"], *STEPS, "--mode", "guard")
+    codes, _ = launch_ranks(
+        tmp_path, ["raise@rank=2,step=3,phase=forward"], *STEPS, "--mode", "guard"
+    )
     run = tmp_path / "run"
     assert codes == [ExitCode.RANK_EXCEPTION] * 3, codes
     fault = only_event(run, "fault.detected")
@@ -204,7 +208,7 @@ def test_plain_guard_exception_takes_the_group_down(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_exception_in_a_micro_batch_is_agreed_on(tmp_path: Path) -> None:
-    codes, _ = launch(tmp_path, ["raise@rank=1,step=3,phase=forward"], *STEPS)
+    codes, _ = launch_ranks(tmp_path, ["raise@rank=1,step=3,phase=forward"], *STEPS)
     run = tmp_path / "run"
     assert codes == [ExitCode.RANK_EXCEPTION] * 3, codes
     agreed = only_event(run, "guard.agreed")
@@ -217,7 +221,7 @@ def test_exception_in_a_micro_batch_is_agreed_on(tmp_path: Path) -> None:
 def test_oom_after_the_agreement_releases_peers_blocked_in_the_allreduce(tmp_path: Path) -> None:
     """skip=1: the second entry into `backward` at step 3 is the one after the agreement,
     when healthy ranks already wait in DDP's gradient all-reduce."""
-    codes, _ = launch(tmp_path, ["oom@rank=1,step=3,phase=backward,skip=1"], *STEPS)
+    codes, _ = launch_ranks(tmp_path, ["oom@rank=1,step=3,phase=backward,skip=1"], *STEPS)
     run = tmp_path / "run"
     assert codes == [ExitCode.OOM] * 3, codes
     fault = only_event(run, "fault.detected")

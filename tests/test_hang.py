@@ -10,59 +10,29 @@ left with the documented exit code, and that no process is left behind.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import (
+    GUARDED_WORKER,
+    HANG_WATCHDOG,
+    RANKS_WAIT_S,
+    exit_events,
+    launch_ranks,
+    only_event,
+)
 
-from chaos.procs import REPO, Run, events, latest_event
+from chaos.procs import Run, events, latest_event
 from chaos.ranks import Ranks
 from resilient.runtime.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-WATCHDOG = {
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_timeout_s": 2.0,
-    "timeout_s": 2.0,
-    "startup_timeout_s": 30.0,
-    "checkpoint_timeout_s": 30.0,
-}
-WORKER = "tests/workers/guarded_train.py"
+WATCHDOG = HANG_WATCHDOG
+WORKER = GUARDED_WORKER
 PACE = "slow@phase=step,seconds=0.05"  # every rank: ~0.1 s a step, so heartbeats show steps
-WAIT_S = 90  # process start and torch import dominate; a hang would take the full 1,800 s
-
-
-def launch(
-    out: Path, faults: list[str], *args: str, watchdog: dict[str, Any] | None = None
-) -> tuple[list[int], Ranks]:
-    """Run the worker on 3 ranks with `faults`; returns (exit codes, the finished Ranks)."""
-    argv = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--", WORKER]
-    argv += ["--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run"), *args]
-    env = {"RESILIENT_WATCHDOG": json.dumps({**WATCHDOG, **(watchdog or {})})}
-    ranks = Ranks(3, argv, log_dir=out / "out", env=env)
-    try:
-        codes = ranks.wait(WAIT_S)
-        assert_no_process_left(ranks, out / "run")
-    finally:
-        ranks.kill()  # SIGCONT + SIGKILL whatever is left, a stopped rank included
-    return codes, ranks
-
-
-def assert_no_process_left(ranks: Ranks, run_dir: Path) -> None:
-    pids = [e["pid"] for e in events(run_dir) if e.get("event") == "runtime.init"] + ranks.pids
-    alive = [pid for pid in set(pids) if _alive(pid)]
-    assert not alive, f"processes left behind: {alive}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def fault_time(ranks: Ranks, rank: int, kind: str) -> float:
@@ -80,16 +50,6 @@ def event_time(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()
 
 
-def only_event(run_dir: Path, name: str) -> dict[str, Any]:
-    found = [e for e in events(run_dir) if e.get("event") == name]
-    assert len(found) == 1, f"expected one {name} event, got {found}"
-    return found[0]
-
-
-def exit_events(run_dir: Path) -> dict[int, int]:
-    return {e["rank"]: e["code"] for e in events(run_dir) if e.get("event") == "watchdog.exit"}
-
-
 def pid_of(run_dir: Path, rank: int) -> int:
     init = latest_event(run_dir, "runtime.init", rank=rank)
     assert init is not None
@@ -97,7 +57,9 @@ def pid_of(run_dir: Path, rank: int) -> int:
 
 
 def test_sleeping_rank_is_named_dumped_and_everyone_exits(tmp_path: Path) -> None:
-    codes, ranks = launch(tmp_path, [PACE, "hang@rank=1,step=6,phase=forward"], "--steps", "20")
+    codes, ranks = launch_ranks(
+        tmp_path, [PACE, "hang@rank=1,step=6,phase=forward"], "--steps", "20"
+    )
     run = tmp_path / "run"
     assert codes == [ExitCode.HANG] * 3, codes
     hang = only_event(run, "hang.detected")
@@ -117,7 +79,9 @@ def test_sleeping_rank_is_named_dumped_and_everyone_exits(tmp_path: Path) -> Non
 
 
 def test_stopped_rank_is_reported_by_peers_and_killed(tmp_path: Path) -> None:
-    codes, ranks = launch(tmp_path, [PACE, "stop@rank=1,step=6,phase=forward"], "--steps", "20")
+    codes, ranks = launch_ranks(
+        tmp_path, [PACE, "stop@rank=1,step=6,phase=forward"], "--steps", "20"
+    )
     run = tmp_path / "run"
     assert codes[0] == codes[2] == ExitCode.HANG and codes[1] == -9, codes
     hang = only_event(run, "hang.detected")
@@ -138,7 +102,7 @@ def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path, mo
     failed collective escapes the loop), the survivors name the dead rank and exit PEER_LOST,
     not as if the collective's error were their own."""
     faults = [PACE, "kill@rank=1,step=6,phase=forward"]
-    codes, ranks = launch(tmp_path, faults, "--steps", "20", "--mode", mode)
+    codes, ranks = launch_ranks(tmp_path, faults, "--steps", "20", "--mode", mode)
     run = tmp_path / "run"
     assert codes == [ExitCode.PEER_LOST, -9, ExitCode.PEER_LOST], codes
     assert not [e for e in events(run) if e.get("event") == "worker.exception"]
@@ -155,7 +119,7 @@ def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path, mo
 def test_rank_stuck_in_a_long_phase_is_named_by_the_monitored_barrier(tmp_path: Path) -> None:
     """Rank 1 sits in `eval`, whose own timeout is long, so the heartbeat monitor waits;
     its peers reach the barrier, which names it after barrier_timeout_s."""
-    codes, _ = launch(
+    codes, _ = launch_ranks(
         tmp_path,
         ["hang@rank=1,step=3,phase=eval"],
         "--eval",
@@ -175,7 +139,7 @@ def test_rank_stuck_in_a_long_phase_is_named_by_the_monitored_barrier(tmp_path: 
 
 
 def test_straggler_is_reported_and_training_goes_on(tmp_path: Path) -> None:
-    codes, _ = launch(
+    codes, _ = launch_ranks(
         tmp_path,
         ["slow@rank=2,phase=forward,seconds=0.15"],
         "--steps",
@@ -215,10 +179,9 @@ def test_under_torchrun_a_hang_restarts_the_group(tmp_path: Path) -> None:
     ]
     env = {
         "RESILIENT_WATCHDOG": json.dumps(WATCHDOG),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
     with Run(cmd, log_path=tmp_path / "torchrun.log", env=env) as launched:
-        rc = launched.wait(WAIT_S)
+        rc = launched.wait(RANKS_WAIT_S)
         assert rc == 0, launched.output()[-4000:]
     hang = only_event(run_dir, "hang.detected")
     assert hang["ranks"] == [2] and hang["restart"] == 0

@@ -9,8 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Launcher
-from run_helpers import WORKER, events, kill_tree, records, run_cmd, start, wait_for, worker_pids
+from helpers import (
+    SUPERVISED_WORKER,
+    Launcher,
+    records,
+    run_cmd,
+    run_events,
+    start,
+    wait_for,
+    worker_pids,
+)
 
 from resilient.checkpoint import CheckpointConfig, CheckpointManager
 from resilient.errors import ConfigError
@@ -111,7 +119,10 @@ def test_auto_check_interval_spreads_the_agreement_over_steps() -> None:
         assert 5 <= watch.every <= 10, watch.every  # 0.5 s / 50 ms, less under load
         every, before = watch.every, watch.checks
         os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        deadline = time.monotonic() + 5
+        while not watch.requested and time.monotonic() < deadline:
+            time.sleep(0.001)  # the handler runs between bytecodes of the main thread
+        assert watch.requested
         seen = [watch.agree() for _ in range(every)]
         assert seen == [False] * (every - 1) + [True] and watch.checks == before + 1
     finally:
@@ -133,7 +144,7 @@ def _launch_args(tmp_path: Path, grace_s: float, *worker_args: str) -> list[str]
         f"--run-dir={tmp_path / 'run'}",
         f"--checkpoint-url={tmp_path / 'ckpt'}",
         f"--grace-period={grace_s:g}",
-        str(WORKER),
+        str(SUPERVISED_WORKER),
         f"--record={tmp_path / 'rec'}",
         *worker_args,
     ]
@@ -155,17 +166,17 @@ def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
         *("--steps=10", "--save-every=100", "--sleep=0.3"),
         "--workers=2",  # loader workers get the launcher's SIGTERM too (they must ignore it)
     )
-    proc = start(run_cmd(*args), tmp_path / "first.log")
+    run = start(run_cmd(*args), tmp_path / "first.log")
     try:
-        wait_for(lambda: len(records(rec)) >= 6, 120, "three steps on both ranks")
+        wait_for(lambda: len(records(rec)) >= 6, timeout=120, what="three steps on both ranks")
         t_signal = time.time()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.wait(60)
     finally:
-        kill_tree(proc, tuple(worker_pids(run_dir).values()))
+        run.kill(also=tuple(worker_pids(run_dir).values()))
     log = (tmp_path / "first.log").read_text()
     assert code == ExitCode.PREEMPTED, log[-3000:]
-    stops = events(run_dir, "preempt.stop")
+    stops = run_events(run_dir, "preempt.stop")
     assert len(stops) == 2 and len({e["step"] for e in stops}) == 1  # one agreed step
     stop = stops[0]["step"]
     assert _committed(ckpt) == [stop]
@@ -174,9 +185,9 @@ def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
         0: stop - 1,
         1: stop - 1,
     }  # zero steps lost: the checkpoint holds every step that ran
-    exits = events(run_dir, "preempt.exit")
+    exits = run_events(run_dir, "preempt.exit")
     assert {e["committed"] for e in exits} == {stop} and {e["code"] for e in exits} == {85}
-    committed_at = min(e["ts"] for e in events(run_dir, "preempt.committed"))
+    committed_at = min(e["ts"] for e in run_events(run_dir, "preempt.committed"))
     assert committed_at  # the commit was logged (timings are not asserted: shared CPUs)
     assert "stopped at step" in log and "preempted, exit code 85" in log
     assert time.time() - t_signal < 60
@@ -186,7 +197,7 @@ def test_sigterm_to_launcher_commits_the_stop_step_then_resumes(
     recs = records(rec)
     steps = sorted(r["step"] for r in recs if r["rank"] == 0)
     assert steps == list(range(10))  # each step exactly once across the two launches
-    assert events(run_dir, "ckpt.load")[-1]["step"] == stop
+    assert run_events(run_dir, "ckpt.load")[-1]["step"] == stop
 
 
 @pytest.mark.slow
@@ -199,31 +210,31 @@ def test_signal_to_one_worker_with_no_time_left_keeps_the_previous_checkpoint(
     rank leaves with PREEMPTED and the last policy checkpoint stays the newest valid one."""
     run_dir, rec, ckpt = tmp_path / "run", tmp_path / "rec", tmp_path / "ckpt"
     args = _launch_args(tmp_path, 0.5, "--steps=40", "--save-every=2", "--sync", "--sleep=1.0")
-    proc = start(run_cmd(*args), tmp_path / "run.log")
+    run = start(run_cmd(*args), tmp_path / "run.log")
     try:
-        wait_for(lambda: len(records(rec)) >= 4, 120, "two steps on both ranks")
+        wait_for(lambda: len(records(rec)) >= 4, timeout=120, what="two steps on both ranks")
         # signal right after an even step s is recorded: its boundary (s + 1 steps done) is
         # not a policy save, so the stop has something new to save and no time to do it
         done = max(r["step"] for r in records(rec) if r["rank"] == 1)
         target = done + 1 if done % 2 else done + 2
         wait_for(
             lambda: any(r["step"] == target for r in records(rec) if r["rank"] == 1),
-            30,
-            f"step {target} on rank 1",
+            timeout=30,
+            what=f"step {target} on rank 1",
         )
         os.kill(worker_pids(run_dir)[1], signal.SIGUSR1)
-        code = proc.wait(timeout=60)
+        code = run.wait(60)
     finally:
-        kill_tree(proc, tuple(worker_pids(run_dir).values()))
+        run.kill(also=tuple(worker_pids(run_dir).values()))
     assert code == ExitCode.PREEMPTED, (tmp_path / "run.log").read_text()[-3000:]
-    skipped = events(run_dir, "preempt.skip_save")
+    skipped = run_events(run_dir, "preempt.skip_save")
     assert len(skipped) == 2 and len({e["step"] for e in skipped}) == 1
     stop = skipped[0]["step"]
     assert all(e["remaining_s"] < e["estimate_s"] for e in skipped)
     newest = _committed(ckpt)[-1]
     assert newest < stop and {e["newest_valid"] for e in skipped} == {newest}
     assert not (ckpt / f"step_{stop:09d}").exists()  # nothing started, nothing torn
-    stops = events(run_dir, "preempt.stop")
+    stops = run_events(run_dir, "preempt.stop")
     assert sorted(e["signalled_here"] for e in stops) == [False, True]
     assert (
         CheckpointManager(CheckpointConfig(url=str(ckpt))).verify(
@@ -250,21 +261,21 @@ def test_signal_after_the_last_agreement_still_stops_as_a_preemption(
         *("--steps=6", "--save-every=100", "--sleep=0.5"),
         '--preempt={"check_every_steps": 1000}',
     )
-    proc = start(run_cmd(*args), tmp_path / "first.log")
+    run = start(run_cmd(*args), tmp_path / "first.log")
     try:
         wait_for(
             lambda: any(r["step"] == 5 for r in records(rec) if r["rank"] == 1),
-            120,
-            "the last step on rank 1",
+            timeout=120,
+            what="the last step on rank 1",
         )
         os.kill(worker_pids(run_dir)[1], signal.SIGTERM)  # while its last step sleeps
-        code = proc.wait(timeout=60)
+        code = run.wait(60)
     finally:
-        kill_tree(proc, tuple(worker_pids(run_dir).values()))
+        run.kill(also=tuple(worker_pids(run_dir).values()))
     assert code == ExitCode.PREEMPTED, (tmp_path / "first.log").read_text()[-3000:]
-    exits = events(run_dir, "preempt.exit")
+    exits = run_events(run_dir, "preempt.exit")
     assert len(exits) == 2 and {e["committed"] for e in exits} == {6}
-    assert sorted(e["signalled_here"] for e in events(run_dir, "preempt.stop")) == [False, True]
+    assert sorted(e["signalled_here"] for e in run_events(run_dir, "preempt.stop")) == [False, True]
     assert _committed(ckpt) == [6]
 
     code, _, err = launcher.run(run_cmd(*args), timeout=150)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -12,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Launcher
-from run_helpers import WORKER, events, last_by_step, records, run_cmd
+import tenacity
+from helpers import SUPERVISED_WORKER, Launcher, last_by_step, records, run_cmd, run_events
 
+from resilient.backoff import ExponentialJitter
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode, describe
 from resilient.supervisor.agent import peek_exit
@@ -70,6 +72,35 @@ def test_backoff_doubles_within_jitter_and_ceiling() -> None:
         d = p.delay(streak)
         assert base <= d <= base + 0.5, (streak, d)
     assert RestartPolicy(backoff_s=0, jitter_s=0).delay(3) == 0.0
+
+
+def test_backoff_draws_from_its_own_rng_and_fits_tenacity() -> None:
+    """The global `random` state is part of a checkpoint: a restart's jitter must not move it."""
+    before = random.getstate()
+    for streak in range(1, 6):
+        RestartPolicy(backoff_s=1.0, jitter_s=1.0).delay(streak)
+    assert random.getstate() == before
+    a, b = (
+        ExponentialJitter(initial_s=1, max_s=4, jitter_s=0.5, rng=random.Random(7)) for _ in "ab"
+    )
+    assert [a.delay(n) for n in range(1, 6)] == [b.delay(n) for n in range(1, 6)]
+    slept: list[float] = []
+    calls = iter([OSError("1"), OSError("2"), OSError("3"), "done"])
+
+    def flaky() -> str:
+        v = next(calls)
+        if isinstance(v, Exception):
+            raise v
+        return v
+
+    wait = ExponentialJitter(initial_s=1, max_s=3, jitter_s=0.5)
+    assert tenacity.Retrying(wait=wait, sleep=slept.append)(flaky) == "done"
+    assert [lo <= d <= lo + 0.5 for d, lo in zip(slept, [1, 2, 3], strict=True)] == [True] * 3, (
+        slept
+    )
+    assert slept[2] <= 3  # the ceiling includes the jitter
+    with pytest.raises(ConfigError):
+        ExponentialJitter(initial_s=2, max_s=1)
 
 
 @pytest.mark.parametrize(
@@ -320,7 +351,7 @@ def test_restarts_resume_from_checkpoint_then_a_crash_loop_stops(
             "--restart-backoff=0.2",
             "--restart-jitter=0",
             "--crash-loop-restarts=1",
-            str(WORKER),
+            str(SUPERVISED_WORKER),
             f"--record={rec}",
             "--steps=12",
             "--save-every=4",
@@ -358,7 +389,7 @@ def test_restarts_resume_from_checkpoint_then_a_crash_loop_stops(
     # rank 0 may complete step 6 (the gradients were reduced before rank 1 raised); never 7
     assert sorted(last_by_step(recs))[:6] == [0, 1, 2, 3, 4, 5]
     assert max(last_by_step(recs)) <= 6
-    decided = events(run_dir, "restart.decided")
+    decided = run_events(run_dir, "restart.decided")
     assert [e["streak"] for e in decided] == [0, 1]
 
 

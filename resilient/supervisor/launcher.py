@@ -48,7 +48,7 @@ from resilient.supervisor.report import (
     AttemptRecord,
     CheckpointProbe,
     EventLogs,
-    RunReport,
+    SupervisorReport,
     explain_failures,
     repeating_failure,
 )
@@ -112,7 +112,7 @@ class Supervisor:
         self.log = _SupervisorLog(cfg.run_dir, run_id, name=f"supervisor{suffix}.jsonl")
         self.probe = CheckpointProbe(cfg.checkpoint_url, self.logs)
         self.tracker = RestartTracker(cfg.restart, self.probe)
-        self.report = RunReport(
+        self.report = SupervisorReport(
             run_id=run_id,
             run_dir=cfg.run_dir,
             command=command,

@@ -2,9 +2,9 @@
 
 Progress is the newest committed checkpoint step. A failure after progress restarts at once:
 the run is healthy, something transient hit it. Consecutive failures without progress wait
-longer and longer (tenacity's exponential backoff with jitter), and the failure that follows
-`crash_loop_restarts` such restarts ends the run as a crash loop: restarting again would
-replay the same failure.
+longer and longer (exponential backoff with jitter from a private RNG: resilient/backoff.py),
+and the failure that follows `crash_loop_restarts` such restarts ends the run as a crash
+loop: restarting again would replay the same failure.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import tenacity
-
+from resilient.backoff import ExponentialJitter
 from resilient.errors import ConfigError
 
 __all__ = ["Decision", "RestartPolicy", "RestartTracker"]
@@ -27,7 +26,7 @@ class RestartPolicy:
     """Wait before the first restart that follows a failure without checkpoint progress;
     doubled for each further one (a failure after progress restarts at once)."""
     backoff_max_s: float = 60.0
-    """Ceiling of the backoff, jitter excluded."""
+    """Ceiling of the wait, jitter included."""
     jitter_s: float = 1.0
     """Up to this many seconds added at random, so nodes do not rejoin in lock step."""
     crash_loop_restarts: int = 3
@@ -55,12 +54,9 @@ class RestartPolicy:
         """Seconds to wait before restart number `streak` of a run without progress (>= 1)."""
         if streak < 1 or (self.backoff_s == 0 and self.jitter_s == 0):
             return 0.0
-        wait = tenacity.wait_exponential_jitter(
-            initial=self.backoff_s, max=self.backoff_max_s, jitter=self.jitter_s
-        )
-        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
-        state.attempt_number = streak
-        return float(wait(state))
+        return ExponentialJitter(
+            initial_s=self.backoff_s, max_s=self.backoff_max_s, jitter_s=self.jitter_s
+        ).delay(streak)
 
 
 @dataclass(frozen=True, slots=True)

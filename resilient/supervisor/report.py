@@ -25,7 +25,7 @@ __all__ = [
     "CheckpointProbe",
     "EventLogs",
     "RankFailure",
-    "RunReport",
+    "SupervisorReport",
     "repeating_failure",
 ]
 
@@ -234,7 +234,7 @@ def repeating_failure(attempts: list[AttemptRecord]) -> dict[str, Any] | None:
 
 
 @dataclass(slots=True)
-class RunReport:
+class SupervisorReport:
     """The supervisor's account of a run, written as JSON at the end (and after each failure)."""
 
     run_id: str

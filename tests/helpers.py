@@ -1,0 +1,199 @@
+"""What the tests share: launching processes, waiting for them, reading what runs recorded.
+
+One way to start a process (chaos.procs.spawn: its own session, the checkout on PYTHONPATH)
+and one way to kill it (resilient.proctree.kill_tree: the whole tree, workers in sessions of
+their own included), the same as the chaos harness:
+- `Launcher.run`: a command to completion, output captured, killed at its timeout;
+- `start`: a command in the background with its output in a file (a chaos.procs.Run);
+- `launch_ranks`: N plain ranks without torchrun (chaos.ranks), each rank's exit code visible.
+One `wait_for` (chaos.procs.wait_for): polls, and raises TimeoutError naming what it waited for.
+
+Test modules import from here (and fixtures come from conftest.py), never from each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.procs import REPO, Run, events, spawn, wait_for
+from chaos.ranks import Ranks, free_port
+from resilient.proctree import alive, kill_tree
+
+__all__ = [
+    "GUARDED_WORKER",
+    "HANG_WATCHDOG",
+    "RANKS_WAIT_S",
+    "REPO_ROOT",
+    "SUPERVISED_WORKER",
+    "WORKERS",
+    "Launcher",
+    "Result",
+    "exit_events",
+    "free_port",
+    "kill_tree",
+    "last_by_step",
+    "launch_ranks",
+    "only_event",
+    "read_events",
+    "records",
+    "run_cmd",
+    "run_events",
+    "spawn",
+    "start",
+    "wait_for",
+    "worker_pids",
+]
+
+REPO_ROOT = REPO
+WORKERS = Path(__file__).resolve().parent / "workers"
+SUPERVISED_WORKER = WORKERS / "supervised_train.py"
+"""Appends one JSON line per completed step to <record>/rank<R>.jsonl (`records`)."""
+GUARDED_WORKER = "tests/workers/guarded_train.py"
+
+Result = tuple[int, str, str]
+
+
+# ---------------------------------------------------------------------- launching
+class Launcher:
+    """Runs commands to completion with a timeout; kills leftovers on close."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[str]] = []
+
+    def run(self, cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result:
+        """Run `cmd` to completion; return (returncode, stdout, stderr).
+
+        On timeout the whole tree is killed and pytest fails with the output so far.
+        """
+        proc = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid, groups=(proc.pid,))
+            out, err = proc.communicate()
+            pytest.fail(
+                f"{' '.join(cmd)} timed out after {timeout} s\n--- stdout\n{out[-4000:]}\n"
+                f"--- stderr\n{err[-8000:]}"
+            )
+        finally:
+            kill_tree(proc.pid, groups=(proc.pid,))  # ranks a crashed launcher left behind
+        return proc.returncode, out, err
+
+    def close(self) -> None:
+        for proc in self._procs:
+            kill_tree(proc.pid, groups=(proc.pid,))
+            if proc.poll() is None:
+                proc.wait(timeout=10)
+        self._procs.clear()
+
+
+def start(cmd: list[str], log: Path, *, env: dict[str, str] | None = None) -> Run:
+    """Start `cmd` in the background, output to `log`; `Run.kill(also=pids)` ends its tree."""
+    return Run(cmd, log_path=log, env=env)
+
+
+# ---------------------------------------------------------------------- `resilient run`
+def run_cmd(*args: str) -> list[str]:
+    """`python -m resilient.cli run ARGS` as an argv list."""
+    return [sys.executable, "-m", "resilient.cli", "run", *args]
+
+
+def records(record_dir: Path) -> list[dict[str, Any]]:
+    """What the supervised worker recorded, every rank, every attempt."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(record_dir.glob("rank*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def run_events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """Events of every log under <run_dir>/logs (the ranks' and the supervisor's), optionally
+    only those named `name`; torn lines are skipped."""
+    out: list[dict[str, Any]] = []
+    for path in sorted((run_dir / "logs").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if name is None or rec.get("event") == name:
+                    out.append(rec)
+    return out
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the newest attempt, from the ranks' runtime.init events."""
+    pids: dict[int, int] = {}
+    for ev in run_events(run_dir, "runtime.init"):
+        pids[int(ev["rank"])] = int(ev["pid"])
+    return pids
+
+
+def last_by_step(recs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Step -> the records of the last attempt that completed it (a replayed step replaces
+    what an attempt that failed before checkpointing it had recorded)."""
+    by_step: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    order: dict[str, float] = {}
+    for r in recs:
+        by_step.setdefault(r["step"], {}).setdefault(r["attempt"], []).append(r)
+        order[r["attempt"]] = min(order.get(r["attempt"], r["t"]), r["t"])
+    return {step: per[max(per, key=lambda a: order[a])] for step, per in sorted(by_step.items())}
+
+
+# ---------------------------------------------------------------------- plain ranks
+HANG_WATCHDOG = {
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_timeout_s": 2.0,
+    "timeout_s": 2.0,
+    "startup_timeout_s": 30.0,
+    "checkpoint_timeout_s": 30.0,
+}
+"""Detection in seconds: each run ends a few seconds after its fault."""
+RANKS_WAIT_S = 90  # process start and torch import dominate; a hang would take the full 1,800 s
+
+
+def launch_ranks(
+    out: Path, faults: list[str], *args: str, watchdog: dict[str, Any] | None = None
+) -> tuple[list[int], Ranks]:
+    """Run the guarded worker on 3 plain ranks with `faults` (chaos.inject specs); returns
+    (exit codes, the finished Ranks) after checking that no process is left."""
+    argv = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--"]
+    argv += [GUARDED_WORKER, "--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run"), *args]
+    env = {"RESILIENT_WATCHDOG": json.dumps({**HANG_WATCHDOG, **(watchdog or {})})}
+    ranks = Ranks(3, argv, log_dir=out / "out", env=env)
+    try:
+        codes = ranks.wait(RANKS_WAIT_S)
+        assert_no_process_left(ranks, out / "run")
+    finally:
+        ranks.kill()  # SIGCONT + SIGKILL whatever is left, a stopped rank included
+    return codes, ranks
+
+
+def assert_no_process_left(ranks: Ranks, run_dir: Path) -> None:
+    pids = [e["pid"] for e in events(run_dir) if e.get("event") == "runtime.init"] + ranks.pids
+    left = [pid for pid in set(pids) if alive(pid)]
+    assert not left, f"processes left behind: {left}"
+
+
+def only_event(run_dir: Path, name: str) -> dict[str, Any]:
+    found = [e for e in events(run_dir) if e.get("event") == name]
+    assert len(found) == 1, f"expected one {name} event, got {found}"
+    return found[0]
+
+
+def exit_events(run_dir: Path) -> dict[int, int]:
+    return {e["rank"]: e["code"] for e in events(run_dir) if e.get("event") == "watchdog.exit"}
+
+
+def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """JSON-lines events of one rank's log file, optionally only those named `event`."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if event is None or r.get("event") == event]
