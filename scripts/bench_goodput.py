@@ -61,7 +61,7 @@ RECIPE = REPO / "recipes" / "train_ddp.py"
 
 
 def _record(run_dir: Path, **fields: Any) -> None:
-    """A chaos.fault event, written exactly as chaos/runner.py's `_record` writes it."""
+    """A chaos.fault event, written exactly as chaos/external.py's `_record` writes it."""
     ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
     with (run_dir / "logs" / "chaos.jsonl").open("a") as f:
         f.write(json.dumps({"event": "chaos.fault", "ts": ts, **fields}) + "\n")

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from chaos.__main__ import SCENARIOS
-from chaos.runner import golden, plan, run_scenario
+from chaos.launch import golden
+from chaos.plan import plan
+from chaos.runner import run_scenario
 from chaos.scenario import FAULT_KINDS, Fault, Scenario, generate
 
 
@@ -174,7 +176,8 @@ def test_checker_counts_a_load_only_after_the_damage(tmp_path: Path):
     breaks (c); the first checker counted the earlier, intact load."""
     from datetime import datetime, timezone
 
-    from chaos.runner import Injected, _check
+    from chaos.check import _check
+    from chaos.external import Injected
 
     t0 = 1_800_000_000.0
 

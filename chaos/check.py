@@ -1,0 +1,168 @@
+"""The invariants, checked after a run from its logs and files (docs/chaos.md explains each):
+
+a. final model and optimizer state bitwise equal to the fault-free run (same seed, world)
+b. each restart resumes from the newest checkpoint valid at the fault, and checkpoints
+   kept up (at most one interval plus one save in flight behind); steps lost reported;
+   a preemption loses no step; a retried storage fault restarts nothing
+c. no checkpoint that failed verification was ever loaded
+d. the run ended within its time bound
+e. no process of the run remains
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from chaos.external import Injected
+from chaos.observe import _attempt_steps, _epoch, _inits
+from chaos.plan import Planned, time_bound_s
+from chaos.procs import events
+from chaos.scenario import PREEMPTIONS, Scenario
+
+__all__ = ["_check"]
+
+
+def _check(
+    sc: Scenario,
+    out: Path,
+    gold: dict[str, Any],
+    planned: list[Planned],
+    injected: list[Injected],
+    wall: float,
+    leftover: bool,
+    failures: list[str],
+) -> dict[str, str]:
+    checks: dict[str, str] = {}
+    run_dir = out / "run"
+    # a. bitwise equal to the golden run
+    digest_file = run_dir / "final_digest.json"
+    final = json.loads(digest_file.read_text()) if digest_file.exists() else {}
+    digest = final.get("digest")
+    checks["a_bitwise_equal"] = "pass" if digest == gold["digest"] else f"fail ({digest})"
+    if sc.hosts == 2:  # the world shrank: float sums differ by design; the run must finish
+        shrunk = sc.nproc * (sc.hosts - 1)
+        ok = final.get("step") == sc.steps and final.get("world_size") == shrunk
+        checks["a_bitwise_equal"] = f"n/a (world {sc.nproc * sc.hosts} -> {shrunk}); finished: " + (
+            "pass" if ok else f"fail ({final})"
+        )
+        if not ok:
+            failures.append(f"a: the shrunk run did not finish at step {sc.steps}: {final}")
+    # b. per fault: the restart resumed from the newest checkpoint that was valid at the fault
+    #    (b1), and checkpointing had kept up: at most one interval plus one save in flight
+    #    behind (b2); a preemption whose save fits the grace loses nothing (b3). Storage
+    #    faults that are retried inside the save must not restart anything (b4).
+    stdout = out / "stdout.log"
+    steps = _attempt_steps(stdout.read_text(errors="replace") if stdout.exists() else "")
+    rank0 = list(events(run_dir, 0))  # read once: every check below looks at rank 0's log
+    resumes = [int(e["step"]) for e in rank0 if e.get("event") == "runtime.resume"]
+    attempts = len(_inits(run_dir, 0))
+    expected_attempts = 1 + sum(1 for p in planned if p.fault.restarts)
+    if len(injected) == len(planned) and attempts != expected_attempts:
+        failures.append(f"b4: {attempts} attempts, expected {expected_attempts}")
+    commits = [
+        (_epoch(e["ts"]), int(e["step"])) for e in rank0 if e.get("event") == "ckpt.save.committed"
+    ]
+    lost: list[int | None] = []
+    damaged: dict[int, float] = {}  # step -> when it was damaged
+    why: list[str] = []
+    for p, inj in zip(planned, injected, strict=False):
+        if inj.corrupted_step is not None:
+            damaged[inj.corrupted_step] = inj.wall_time
+        if inj.kind in ("storage_errors", "storage_latency", "disk_full") and not inj.bit:
+            failures.append(f"b: {inj.kind} never reached the storage")
+        if not p.fault.restarts:
+            lost.append(0)
+            continue
+        k = p.attempt
+        if k + 1 >= len(resumes) or (inj.completed is None and k >= len(steps)):
+            lost.append(None)
+            failures.append(f"b: fault at attempt {k} ({inj.kind}) was not followed by a restart")
+            continue
+        if inj.completed is not None:  # node_loss: rank 0's console may have been on host B
+            completed = inj.completed
+        else:  # rank 0 prints a step when it is done
+            completed = max(steps[k], default=resumes[k] - 1) + 1
+        resumed = resumes[k + 1]
+        lost.append(completed - resumed)
+        before = [(t, st) for t, st in commits if t <= inj.wall_time]
+        newest = max((st for _, st in before), default=0)
+        valid = [st for t, st in before if st not in damaged or t > damaged[st]]  # re-saved
+        newest_valid = max(valid, default=0)
+        if inj.kind in PREEMPTIONS:
+            if completed != resumed:
+                failures.append(
+                    f"b3: preemption ({inj.kind}) lost {completed - resumed} steps "
+                    f"(stopped after {completed}, resumed at {resumed})"
+                )
+            continue
+        if resumed < newest_valid:
+            failures.append(
+                f"b1: fault at attempt {k} ({inj.kind}) resumed at {resumed}, older than the "
+                f"newest valid checkpoint {newest_valid}"
+            )
+        # the last save due before the fault; if it had committed intact, the fault may cost
+        # less than one interval; if it was still in flight (async) or the fault damaged it,
+        # the previous one is what there is
+        due = completed // sc.save_every * sc.save_every
+        if due in valid and completed - resumed > sc.save_every:
+            failures.append(
+                f"b0: fault at attempt {k} ({inj.kind}) lost {completed - resumed} steps with "
+                f"step {due} committed intact: more than the interval {sc.save_every}"
+            )
+        if completed - newest > 2 * sc.save_every:
+            failures.append(
+                f"b2: fault at attempt {k} ({inj.kind}) at step {completed} with the newest "
+                f"checkpoint at {newest}: more than 2 intervals behind"
+            )
+        if due and due not in valid:
+            why.append(f"{inj.kind}: save {due} " + ("damaged" if due in damaged else "in flight"))
+    checks["b_steps_lost"] = f"{lost} (interval {sc.save_every})" + (
+        f"; over one interval allowed: {', '.join(why)}" if why else ""
+    )
+    # c. nothing that failed verification was loaded
+    # A load of step S is bad when it came after S was damaged and before S was saved
+    # again; a load of S before the damage read it intact.
+    loads = [(_epoch(e["ts"]), int(e["step"])) for e in rank0 if e.get("event") == "ckpt.load"]
+    damaged_at = {i.corrupted_step: i.wall_time for i in injected if i.corrupted_step is not None}
+    loaded_bad = [
+        st
+        for t, st in loads
+        if st in damaged_at
+        and t > damaged_at[st]
+        and not any(damaged_at[st] < tc < t for tc, resaved in commits if resaved == st)
+    ]
+    checks["c_no_corrupt_load"] = "pass" if not loaded_bad else f"fail (loaded {loaded_bad})"
+    if loaded_bad:
+        failures.append(f"c: loaded corrupted checkpoint(s) {loaded_bad}")
+    # The damage must have been noticed where it mattered: when the first load after it (a
+    # fresh start counts as step 0) came from an older step, the runtime rejected the damaged
+    # one and said so. The harness damages the newest commit it sees; a newer one can land
+    # between its listing and the kill, and is then loaded intact with no fallback needed.
+    fallback_at = [_epoch(e["ts"]) for e in rank0 if e.get("event") == "ckpt.fallback"]
+    fresh = [(_epoch(e["ts"]), 0) for e in rank0 if e.get("event") == "ckpt.fresh_start"]
+    loads_or_fresh = sorted(loads + fresh)
+    for st, td in damaged_at.items():
+        first = next(((t, ld) for t, ld in loads_or_fresh if t > td), None)
+        if (
+            first is not None
+            and first[1] < st
+            and not any(td < tf <= first[0] for tf in fallback_at)
+        ):
+            failures.append(
+                f"c: step {st} was damaged and the restart loaded {first[1]}, but no fallback "
+                "was logged"
+            )
+    # d. within the time bound
+    bound_s = time_bound_s(sc, float(gold["wall_s"]))
+    checks["d_time"] = f"{wall:.1f} s (bound {bound_s:.0f} s)"
+    if wall > bound_s:
+        failures.append(f"d: took {wall:.1f} s > bound {bound_s:.0f} s")
+    # e. nothing left behind
+    checks["e_no_leftover"] = "fail" if leftover else "pass"
+    if leftover:
+        failures.append("e: processes of the run were still alive after it ended")
+    if checks["a_bitwise_equal"] not in ("pass",) and sc.hosts == 1:
+        failures.append(f"a: final digest {digest} != golden {gold['digest']}")
+    return checks

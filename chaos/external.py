@@ -1,0 +1,191 @@
+"""Faults sent from outside a run: signals to a rank or to the launcher, damaged checkpoint
+files, S3 errors and latency through the fault proxy, a full disk.
+
+`_inject` waits until the run reached the fault's attempt and step, fires it, and appends a
+`chaos.fault` event to the run's logs (`_record`), where `resilient report` finds it. Faults
+armed inside the ranks (chaos/faults.py) are only waited for here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from chaos.launch import _Env
+from chaos.observe import _chaos_records, _epoch, _inits, _printed_steps, _since_attempt
+from chaos.plan import Planned, plan
+from chaos.procs import Run, latest_event, wait_for
+from chaos.scenario import IN_PROCESS
+
+__all__ = ["Injected", "_inject", "_record"]
+
+
+_FILE_FAULTS = {"corrupt", "truncate", "delete"}
+
+
+@dataclass(slots=True)
+class Injected:
+    kind: str
+    rank: int
+    pid: int
+    wall_time: float
+    attempt: int
+    corrupted_step: int | None = None
+    corrupted_file: str | None = None
+    save_in_flight: int | None = None
+    bit: int | None = None
+    """Storage and disk faults: requests that got the fault, or saves that failed."""
+    completed: int | None = None
+    """node_loss: steps rank 0 had printed when the host was lost."""
+
+
+def _ckpt_fs(env: _Env) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The checkpoint location as the harness sees it: the directory, or the bucket (read
+    and damaged straight on the S3 server, not through the fault proxy)."""
+    if env.s3 is not None:
+        return env.s3.filesystem(), f"{env.s3.bucket}/ckpt"
+    return fsspec.filesystem("file"), str(env.out / "ckpt")
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _newest_committed(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return None
+    dirs = sorted(
+        p for p in entries if _name(p).startswith("step_") and fs.exists(f"{p}/manifest.json")
+    )
+    return dirs[-1] if dirs else None
+
+
+def _damage(kind: str, fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> str:
+    data = sorted(
+        p for p in fs.ls(ckpt_dir, detail=False) if fnmatch.fnmatch(_name(p), "__*.distcp")
+    )[0]
+    raw = fs.cat_file(data)
+    if kind == "corrupt":
+        b = bytearray(raw)
+        b[len(b) // 2] ^= 0xFF
+        fs.pipe_file(data, bytes(b))
+    elif kind == "truncate":
+        fs.pipe_file(data, raw[: len(raw) // 2])
+    else:
+        fs.rm_file(data)
+    return _name(data)
+
+
+def _inject(p: Planned, env: _Env, run: Run) -> Injected:
+    fault, sc, run_dir = p.fault, env.sc, env.run_dir
+    wait_for(
+        lambda: min(len(_inits(run_dir, 0)), len(_inits(run_dir, fault.rank))) > p.attempt,
+        timeout=sc.timeout_s,
+        what=f"attempt {p.attempt}",
+    )
+    victim = _inits(run_dir, fault.rank)[p.attempt]
+    pid = int(victim["pid"])
+    base: dict[str, Any] = {
+        "kind": fault.kind,
+        "rank": fault.rank,
+        "pid": pid,
+        "attempt": p.attempt,
+    }
+    if fault.kind in IN_PROCESS:  # armed at launch: wait for the rank to report it fired
+        n_before = sum(1 for q in plan(sc) if q.fault.kind in IN_PROCESS and q.attempt < p.attempt)
+        rec = wait_for(
+            lambda: ([r for r in _chaos_records(run_dir) if r.get("source") != "runner"] + [None])[
+                n_before
+            ],
+            timeout=sc.timeout_s,
+            what=f"{fault.kind} to fire at step {fault.at_step}",
+        )
+        return Injected(**base, wall_time=_epoch(rec["ts"]))
+    wait_for(
+        lambda: (
+            max(_printed_steps(_since_attempt(run.output(), p.attempt)), default=-1)
+            >= fault.at_step
+        ),
+        timeout=sc.timeout_s,
+        what=f"step {fault.at_step}",
+    )
+    info: dict[str, Any] = {}
+    if fault.kind in _FILE_FAULTS:
+        fs, root = _ckpt_fs(env)
+        newest = wait_for(
+            lambda: _newest_committed(fs, root),
+            timeout=sc.timeout_s,
+            what="a committed checkpoint",
+        )
+        info["corrupted_file"] = _damage(fault.kind, fs, newest)
+        info["corrupted_step"] = int(_name(newest).split("_")[1])
+    if fault.kind == "kill_during_save":
+
+        def saving() -> int | None:
+            start = latest_event(run_dir, "ckpt.save.start", fault.rank, lambda e: e["pid"] == pid)
+            if start is None:
+                return None
+            done = latest_event(
+                run_dir,
+                "ckpt.save.committed",
+                fault.rank,
+                lambda e: e["pid"] == pid and e["step"] == start["step"],
+            )
+            return None if done else int(start["step"])
+
+        info["save_in_flight"] = wait_for(
+            saving, timeout=sc.timeout_s, what="a save in flight", poll=0.005
+        )
+    t = time.time()
+    if fault.kind in ("storage_errors", "storage_latency"):
+        assert env.s3 is not None and env.s3.proxy is not None
+        kind = "slowdown" if fault.kind == "storage_errors" else "delay"
+        scheduled = env.s3.proxy.add(kind, method="PUT", times=fault.count, delay_s=fault.seconds)
+        # the next save meets it; wait until it has been met in full
+        wait_for(
+            lambda: scheduled.fired >= fault.count,
+            timeout=sc.timeout_s,
+            what=f"{fault.count} requests to meet {kind}",
+        )
+        info["bit"] = scheduled.fired
+    elif fault.kind == "disk_full":
+        assert env.disk is not None
+        env.disk.fill()
+        try:
+            failed = wait_for(
+                lambda: latest_event(
+                    run_dir, "ckpt.save.failed", None, lambda e: _epoch(e["ts"]) >= t
+                ),
+                timeout=sc.timeout_s,
+                what="a save to fail on the full disk",
+            )
+        finally:
+            env.disk.free()  # the operator frees space; the next attempt must save again
+        info["bit"] = int(failed["step"])
+    elif fault.kind == "sigterm":
+        os.kill(run.proc.pid, signal.SIGTERM)
+    else:
+        sig = {"sigstop": signal.SIGSTOP, "sigterm_rank": signal.SIGTERM}.get(
+            fault.kind, signal.SIGKILL
+        )
+        os.kill(pid, sig)
+    _record(run_dir, kind=fault.kind, target_rank=fault.rank, pid=pid, t=t, **info)
+    return Injected(**base, wall_time=t, **info)
+
+
+def _record(run_dir: Path, *, t: float, **fields: Any) -> None:
+    """Append a chaos.fault event to the run's logs, where `resilient report` finds it."""
+    ts = datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+    with (run_dir / "logs" / "chaos.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "chaos.fault", "ts": ts, "source": "runner", **fields}) + "\n")

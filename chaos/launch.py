@@ -1,0 +1,124 @@
+"""Launching a scenario's runs: the `resilient run` command line around the recipe, the
+environment the harness gives every run, and the fault-free reference ("golden") run each
+scenario is compared with, computed once per golden key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos.plan import _WATCHDOG, Planned
+from chaos.procs import REPO, Run
+from chaos.scenario import Scenario
+from chaos.storage import LoopbackS3, SmallDisk
+from resilient.envvars import ENV_PREEMPT, ENV_WATCHDOG
+
+__all__ = ["_CHAOS_ENV", "_Env", "_launch_cmd", "golden"]
+
+
+_CHAOS_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    # detection in seconds, not the production defaults' minutes: a hang or a stopped rank
+    # must end its attempt well inside the scenario's time bound
+    ENV_WATCHDOG: json.dumps(_WATCHDOG),
+    # likewise the preemption agreement: by default about once a second, which is most of a
+    # scenario's 24 steps of 40-150 ms, so one stop could overshoot the next fault's step
+    ENV_PREEMPT: json.dumps({"check_interval_s": 0.1}),
+}
+
+
+@dataclass(slots=True)
+class _Env:
+    """What a scenario runs against: its output directory, storage and the live launch."""
+
+    sc: Scenario
+    out: Path
+    ckpt_url: str
+    s3: LoopbackS3 | None = None
+    disk: SmallDisk | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / "run"
+
+
+def _launch_cmd(
+    sc: Scenario,
+    out: Path,
+    ckpt_url: str,
+    max_restarts: int,
+    in_process: list[Planned],
+    rendezvous: list[str] | None = None,
+) -> list[str]:
+    """`resilient run` (the product's supervisor on torch elastic) around the recipe, through
+    `python -m chaos.inject` when in-process faults are armed for this launch."""
+    recipe_args = [
+        *("--steps", str(sc.steps), "--save-every", str(sc.save_every), "--log-every", "1"),
+        *("--workers", str(sc.workers), "--seed", str(sc.seed)),
+        *("--corpus-chars", str(sc.corpus_chars), "--batch-size", "8"),
+        *("--ckpt-dir", ckpt_url, "--run-dir", str(out / "run")),
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient.cli",
+        "run",
+        *(rendezvous or ["--standalone"]),
+        f"--nproc-per-node={sc.nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        f"--run-dir={out / 'run'}",
+        f"--grace-period={sc.grace_s:g}",
+        "--restart-backoff=0.1",
+        "--restart-jitter=0",
+        f"--crash-loop-restarts={max_restarts + 1}",  # faults, not a crash loop
+    ]
+    script = str(REPO / "recipes" / sc.recipe)
+    if not in_process:
+        return [*cmd, script, *recipe_args]
+    specs = [
+        f"--fault={p.fault.kind}@rank={p.fault.rank},step={p.fault.at_step},"
+        f"phase={p.fault.phase},restart={p.restart}"
+        for p in in_process
+    ]
+    return [*cmd, "-m", "chaos.inject", *specs, "--", script, *recipe_args]
+
+
+_GOLDEN_LOCKS: dict[Path, threading.Lock] = {}
+
+
+_GOLDEN_GUARD = threading.Lock()
+
+
+def golden(sc: Scenario, cache: Path) -> dict[str, Any]:
+    """The fault-free run's digest and wall time, computed once per golden key (scenarios
+    may run side by side in threads: one computes it, the others wait)."""
+    out = cache / sc.golden_key()
+    with _GOLDEN_GUARD:
+        lock = _GOLDEN_LOCKS.setdefault(out, threading.Lock())
+    with lock:  # a two-host scenario compares with the same world on one host
+        return _golden(dataclasses.replace(sc, nproc=sc.nproc * sc.hosts, hosts=1, faults=[]), out)
+
+
+def _golden(sc: Scenario, out: Path) -> dict[str, Any]:
+    done = out / "golden.json"
+    if done.exists():
+        return dict(json.loads(done.read_text()))
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = _launch_cmd(sc, out, str(out / "ckpt"), 0, [])
+    with Run(cmd, log_path=out / "stdout.log", env=_CHAOS_ENV) as run:
+        rc = run.wait(sc.timeout_s)
+        if rc != 0:
+            raise RuntimeError(f"golden run failed ({rc}): {run.output()[-2000:]}")
+        wall = run.elapsed
+    info = json.loads((out / "run" / "final_digest.json").read_text())
+    info["wall_s"] = wall
+    done.write_text(json.dumps(info))
+    return dict(info)

@@ -1,0 +1,64 @@
+"""Reading what a run did, from outside it: the steps rank 0 printed (per attempt), each
+rank's `runtime.init` events, and the harness's own records in <run_dir>/logs/chaos.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from chaos.procs import events
+
+__all__ = [
+    "_attempt_steps",
+    "_chaos_records",
+    "_epoch",
+    "_inits",
+    "_printed_steps",
+    "_since_attempt",
+]
+
+
+_STEP_LINE = re.compile(r"^step (\d+) loss", re.M)
+
+
+def _printed_steps(text: str) -> list[int]:
+    return [int(s) for s in _STEP_LINE.findall(text)]
+
+
+def _inits(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    """The rank's `runtime.init` events, one per attempt, across launches, in order."""
+    return [e for e in events(run_dir, rank) if e.get("event") == "runtime.init"]
+
+
+def _chaos_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "logs" / "chaos.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+_ATTEMPT_MARK = "runtime.resume"
+
+
+def _since_attempt(text: str, attempt: int) -> str:
+    """stdout from the given attempt on (attempts are separated by rank 0's resume line)."""
+    parts = text.split(_ATTEMPT_MARK)
+    return _ATTEMPT_MARK.join(parts[attempt + 1 :]) if len(parts) > attempt + 1 else ""
+
+
+def _attempt_steps(text: str) -> list[list[int]]:
+    """The steps rank 0 printed, per attempt."""
+    return [_printed_steps(part) for part in text.split(_ATTEMPT_MARK)[1:]]
+
+
+def _epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()

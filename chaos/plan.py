@@ -1,0 +1,70 @@
+"""Planning a scenario: where each fault lands, and how long the run may take.
+
+A fault lands in a launch (a preemption ends one), at a restart count within it, and in an
+attempt overall (the n-th `runtime.init` of a rank). The time bound is invariant (d): twice
+the fault-free run plus, for each fault, its detection bound under the watchdog settings the
+harness runs with (`_WATCHDOG`) and a restart allowance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chaos.scenario import PREEMPTIONS, Fault, Scenario
+
+__all__ = ["_WATCHDOG", "Planned", "plan", "time_bound_s"]
+
+
+_WATCHDOG = {
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_timeout_s": 5.0,
+    "timeout_s": 10.0,
+    "startup_timeout_s": 120.0,
+    "checkpoint_timeout_s": 60.0,
+}
+
+
+_RESTART_ALLOWANCE_S = 60.0
+"""Bound (d): a new attempt's start-up (interpreters, torch import, process groups, load)
+and replay on a loaded 2-core machine, where start-up alone was seen to take 14 s."""
+
+
+def _detect_bound_s(kind: str, sc: Scenario) -> float:
+    """How long a fault of `kind` may take to end its attempt, from the timeouts in force."""
+    beat = _WATCHDOG["heartbeat_interval_s"]
+    if kind == "hang":  # a live rank past its phase timeout, then the exit grace
+        return _WATCHDOG["timeout_s"] + 3 * beat + 1.0
+    if kind in PREEMPTIONS:
+        return sc.grace_s
+    if kind in ("storage_errors", "storage_latency"):  # retried within the save's budget
+        return 30.0
+    # dead or stopped: a missing heartbeat (a peer's socket error is usually faster)
+    return _WATCHDOG["heartbeat_timeout_s"] + 3 * beat + 1.0
+
+
+def time_bound_s(sc: Scenario, golden_wall_s: float) -> float:
+    """(d): twice the fault-free run, plus for each fault its detection bound and a restart."""
+    per_fault = sum(_detect_bound_s(f.kind, sc) + _RESTART_ALLOWANCE_S for f in sc.faults)
+    return min(sc.timeout_s, 2 * golden_wall_s + per_fault + 30.0)
+
+
+@dataclass(slots=True)
+class Planned:
+    """Where a fault lands: launch (a preemption ends one), restart count within it, and the
+    attempt overall (the n-th `runtime.init` of a rank)."""
+
+    fault: Fault
+    launch: int
+    restart: int
+    attempt: int
+
+
+def plan(sc: Scenario) -> list[Planned]:
+    out, launch, restart, attempt = [], 0, 0, 0
+    for f in sorted(sc.faults, key=lambda f: f.at_step):
+        out.append(Planned(f, launch, restart, attempt))
+        if f.kind in PREEMPTIONS:
+            launch, restart, attempt = launch + 1, 0, attempt + 1
+        elif f.restarts:
+            restart, attempt = restart + 1, attempt + 1
+    return out
