@@ -1,0 +1,238 @@
+"""The supervisor's side of `resilient run`: answers to the agent's questions and the record.
+
+`Supervisor` is the agent's hooks (resilient/supervisor/agent.py): it records each attempt,
+explains failures from the workers' event logs, decides between restarting (after a backoff)
+and stopping (crash loop, preemption, restarts exhausted), and keeps the run's record in
+<run_dir>/supervisor_report.json and <run_dir>/logs/supervisor.jsonl (`_SupervisorLog`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from resilient.exitcodes import ExitCode
+from resilient.supervisor.agent import FailureInfo, Verdict
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.policy import RestartTracker
+from resilient.supervisor.report import (
+    AttemptRecord,
+    CheckpointProbe,
+    EventLogs,
+    SupervisorReport,
+    explain_failures,
+    repeating_failure,
+)
+
+__all__ = ["Supervisor"]
+
+
+class _SupervisorLog:
+    """JSON lines in <run_dir>/logs/supervisor.jsonl and readable lines on stderr."""
+
+    def __init__(self, run_dir: str, run_id: str, *, name: str = "supervisor.jsonl") -> None:
+        path = Path(run_dir) / "logs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = path.open("a", encoding="utf-8")
+        self._console = structlog.dev.ConsoleRenderer(colors=False, pad_event_to=28)
+        static = {
+            "source": "supervisor",
+            "run_id": run_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+        def tee(logger: Any, method: str, ev: Any) -> Any:
+            self._file.write(json.dumps({**ev, **static}, default=str) + "\n")
+            self._file.flush()
+            return self._console(logger, method, {k: v for k, v in ev.items() if k != "ts"})
+
+        self._log = structlog.wrap_logger(
+            structlog.PrintLogger(sys.stderr),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+                tee,
+            ],
+        )
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._log.info(event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._log.warning(event, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._log.error(event, **fields)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Supervisor:
+    """The agent's hooks: records attempts, decides restarts, writes the report."""
+
+    def __init__(
+        self, cfg: SupervisorConfig, *, run_id: str, command: list[str], multi_node: bool = False
+    ) -> None:
+        self.cfg = cfg
+        self.logs = EventLogs(cfg.run_dir)
+        self.logs.refresh()  # earlier runs in this directory: progress baseline, save times
+        # one file per host where several nodes may share the run directory
+        suffix = f"_{socket.gethostname()}" if multi_node else ""
+        self.log = _SupervisorLog(cfg.run_dir, run_id, name=f"supervisor{suffix}.jsonl")
+        self.probe = CheckpointProbe(cfg.checkpoint_url, self.logs)
+        self.tracker = RestartTracker(cfg.restart, self.probe)
+        self.report = SupervisorReport(
+            run_id=run_id,
+            run_dir=cfg.run_dir,
+            command=command,
+            filename=f"supervisor_report{suffix}.json",
+        )
+
+    @property
+    def current(self) -> AttemptRecord | None:
+        return self.report.attempts[-1] if self.report.attempts else None
+
+    def on_start(
+        self, *, restart: int, attempt_id: str, world_size: int, group_rank: int, pids: list[int]
+    ) -> None:
+        self.report.attempts.append(
+            AttemptRecord(
+                restart=restart,
+                attempt_id=attempt_id,
+                started_at=time.time(),
+                world_size=world_size,
+                group_rank=group_rank,
+            )
+        )
+        self.log.info(
+            "attempt.start",
+            restart=restart,
+            attempt=attempt_id,
+            world_size=world_size,
+            node=group_rank,
+            pids=pids,
+        )
+
+    def on_event(self, event: str, **fields: Any) -> None:
+        self.log.info(event, **fields)
+        att = self.current
+        if event == "restart.membership" and att is not None and att.outcome == "running":
+            att.outcome, att.action, att.ended_at = "stopped", "membership change", time.time()
+
+    def on_failure(
+        self, *, restart: int, failures: list[FailureInfo], restarts_left: int, nodes_waiting: int
+    ) -> Verdict:
+        att = self.current
+        detected = time.time()
+        records = explain_failures(
+            (
+                (f.rank, f.local_rank, f.pid, f.exit_code, f.error_file_message, f.root)
+                for f in failures
+            ),
+            self.logs,
+        )
+        roots = [r for r in records if r.root] or records
+        if att is not None:
+            att.ended_at, att.failures = detected, records
+        preempted = bool(roots) and all(r.exit_code == ExitCode.PREEMPTED for r in roots)
+        if preempted:
+            self.log.info("worker.preempted", ranks=[r.rank for r in roots])
+        for r in [] if preempted else roots:
+            self.log.warning(
+                "worker.failed",
+                rank=r.rank,
+                exit_code=r.exit_code,
+                step=r.step,
+                error=r.error,
+                meaning=r.meaning,
+                cause_from=r.source,
+            )
+        if preempted:
+            if nodes_waiting > 0:  # another agent stopped the group to admit a node
+                return self._decided(att, "membership change", "rejoin", Verdict("rejoin"))
+            return self._decided(
+                att, "preempted", "stop", Verdict("stop", code=int(ExitCode.PREEMPTED))
+            )
+        d = self.tracker.on_failure(restarts_left=restarts_left)
+        if att is not None:
+            att.progress = d.progress
+        if self.tracker.crash_loop:
+            k = self.cfg.restart.crash_loop_restarts
+            self.report.repeating = repeating_failure(self.report.attempts[-(k + 1) :])
+            rep = self.report.repeating or {}
+            self.log.error(
+                "restart.crash_loop",
+                restarts_without_progress=k,
+                newest_checkpoint=d.progress,
+                repeating=rep,
+            )
+            reason = (
+                f"{k} consecutive restarts made no checkpoint progress (newest committed step "
+                f"{d.progress}); repeating failure: rank {rep.get('rank')} at step "
+                f"{rep.get('step')}: {rep.get('error')} ({rep.get('attempts')} of "
+                f"{rep.get('of')} attempts)"
+            )
+            self.report.reason = reason
+            return self._decided(
+                att, "failed", "stop: crash loop", Verdict("stop", code=int(ExitCode.CRASH_LOOP))
+            )
+        if not d.restart:
+            return self._decided(
+                att,
+                "failed",
+                "stop: restarts exhausted",
+                Verdict("stop", code=int(ExitCode.RESTARTS_EXHAUSTED)),
+            )
+        self.log.info(
+            "restart.decided",
+            restart=restart + 1,
+            delay_s=round(d.delay_s, 3),
+            streak=d.streak,
+            newest_checkpoint=d.progress,
+            restarts_left=restarts_left - 1,
+        )
+        if att is not None:
+            att.delay_s = d.delay_s
+        return self._decided(att, "failed", "restart", Verdict("restart", delay_s=d.delay_s))
+
+    def _decided(
+        self, att: AttemptRecord | None, outcome: str, action: str, verdict: Verdict
+    ) -> Verdict:
+        if att is not None:
+            att.outcome, att.action = outcome, action
+        self.report.write()
+        return verdict
+
+    def preemption_note(self) -> str:
+        """What the workers' logs say about the last coordinated stop."""
+        self.logs.refresh()
+        done = self.logs.named("preempt.exit", "preempt.skip_save", "preempt.stop")
+        if not done:
+            return "no coordinated stop logged; the newest valid checkpoint is where it resumes"
+        last = done[-1]
+        skipped = self.logs.named("preempt.skip_save")
+        if last["event"] == "preempt.exit" and last.get("committed") == last.get("step"):
+            return (
+                f"stopped at step {last.get('step')} with its checkpoint committed, "
+                f"{last.get('since_signal_s')} s after the signal"
+            )
+        if skipped:
+            sk = skipped[-1]
+            return (
+                f"stopped at step {sk.get('step')} without saving (estimate "
+                f"{sk.get('estimate_s')} s > {sk.get('remaining_s')} s left); newest valid "
+                f"checkpoint: step {sk.get('newest_valid')}"
+            )
+        return (
+            f"stop agreed at step {last.get('step')}; newest committed checkpoint: step "
+            f"{last.get('committed')}"
+        )
