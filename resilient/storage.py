@@ -20,23 +20,23 @@ import random
 import re
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 import tenacity
 
 from resilient import _s3
 from resilient._transfer import BlockReader, UploadStream
+from resilient.checksum import DEFAULT, checksum_of, updater
 from resilient.errors import ConfigError, StorageError
 from resilient.log import get_logger
 
-__all__ = ["RetryPolicy", "Storage", "crc32_of", "is_retryable"]
+__all__ = ["RetryPolicy", "Storage", "is_retryable"]
 
 T = TypeVar("T")
-_CHUNK = 8 << 20
 _PART = 16 << 20
 """Part size of uploads and block size of reads unless storage_options set
 `default_block_size` (s3fs's own default, 50 MiB, holds 500 MiB per file in flight and starts
@@ -273,15 +273,6 @@ _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"
 _USERINFO = re.compile(r"^([a-zA-Z][\w+.-]*://)[^/@]*@")
 
 
-def crc32_of(stream: IO[bytes]) -> tuple[int, int]:
-    """(crc32, size) of everything left in `stream`, read in chunks."""
-    crc, size = 0, 0
-    while chunk := stream.read(_CHUNK):
-        crc = zlib.crc32(chunk, crc)
-        size += len(chunk)
-    return crc, size
-
-
 class _PipeSink:
     """Uploads for fsspec filesystems without multipart: the whole file in one call."""
 
@@ -508,17 +499,67 @@ class Storage:
         self._call(f"move {src} -> {dst}", run)
 
     # ------------------------------------------------------------------ whole files
-    def checksum(self, rel: str, *, size: int | None = None) -> tuple[int, int]:
-        """(crc32, size) of a stored file, read back from storage (`size`: if known)."""
+    def checksum(
+        self, rel: str, *, size: int | None = None, algorithm: str = DEFAULT
+    ) -> tuple[int, int]:
+        """(checksum, size) of a stored file, read back from storage (`size`: if known)."""
         if not self.is_local:
             with self.open_read(rel, size=size) as f:
-                return crc32_of(f)
+                return checksum_of(f, algorithm)
 
         def run() -> tuple[int, int]:
             with self.fs.open(self.path(rel), "rb") as f:
-                return crc32_of(f)
+                return checksum_of(f, algorithm)
 
         return self._call(f"checksum {rel}", run)
+
+    def fetch(self, rel: str, *, size: int, algorithm: str = DEFAULT) -> tuple[bytearray, int]:
+        """(content, checksum) of file `rel` of `size` bytes, read once into memory.
+
+        Remotely in parts of `part_size`, `concurrency` at a time, each one retried call; the
+        checksum runs over each part in order as it arrives. OSError when the file holds
+        fewer bytes than `size` (changed or truncated while being read)."""
+        update = updater(algorithm)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        if self.is_local:
+
+            def run() -> int:
+                with open(self.path(rel), "rb", buffering=0) as f:
+                    return _read_into(f, view)
+
+            got = self._call(f"read {rel}", run)
+            if got != size:
+                raise OSError(f"{self.url_of(rel)}: read {got} bytes, expected {size}")
+            return buf, update(view, 0)
+        path = self.path(rel)
+        spans = [(s, min(size, s + self.part_size)) for s in range(0, size, self.part_size)]
+
+        def part(start: int, end: int) -> None:
+            data = self._call(
+                f"read {rel} [{start}:{end}]",
+                lambda: self.fs.cat_file(path, start=start, end=end),
+            )
+            if len(data) != end - start:
+                raise OSError(
+                    f"{self.url_of(rel)}: read {len(data)} bytes at offset {start}, expected "
+                    f"{end - start} (the object changed or was truncated while being read)"
+                )
+            view[start:end] = data
+
+        value = 0
+        with ThreadPoolExecutor(
+            max_workers=self.concurrency, thread_name_prefix="resilient-read"
+        ) as pool:
+            futures = [pool.submit(part, s, e) for s, e in spans]
+            try:
+                for (s, e), fut in zip(spans, futures, strict=True):
+                    fut.result()
+                    value = update(view[s:e], value)
+            finally:
+                for fut in futures:
+                    fut.cancel()
+        return buf, value
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Make `data` visible at `rel` at once: tmp+fsync+rename locally, one PUT remotely."""
@@ -608,6 +649,17 @@ class Storage:
         if not self.is_s3:
             return None
         return _s3.explain(exc, self.url, _s3.endpoint_of(self.fs))
+
+
+def _read_into(f: Any, view: memoryview) -> int:
+    """Fill `view` from unbuffered file `f`; the bytes read (fewer at end of file)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def fsync_dir(path: str) -> None:

@@ -425,7 +425,7 @@ class Bench:
         return self._no_zip_crc(self.v_dcp)
 
     def v_writer(self) -> dict[str, Any]:
-        from resilient.checkpoint._dcp import _LocalWriter
+        from resilient.checkpoint._dcp_write import _LocalWriter
 
         out = self.work / "writer"
         return self._dcp_with(_LocalWriter(str(out), sync_files=True), out)

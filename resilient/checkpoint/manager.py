@@ -22,7 +22,13 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from resilient import __version__
-from resilient.checkpoint._dcp import SafeLoadPlanner, make_reader, make_writer
+from resilient.checkpoint._dcp_read import (
+    SafeLoadPlanner,
+    VerificationFailed,
+    Verifier,
+    make_reader,
+)
+from resilient.checkpoint._dcp_write import make_writer
 from resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -67,6 +73,12 @@ class CheckpointConfig:
     host, or a shared filesystem). Needs TieredCheckpointManager / open_manager()."""
     remote_every: int = 1
     """With `local_url`: every N-th save (and every explicit blocking save) goes to `url`."""
+    verify_buffer_mib: int = 4096
+    """Loading checks every file against the manifest before any tensor is touched. A rank
+    keeps the files it checks in memory, up to this many MiB, and DCP then reads them from
+    there: each byte is read once. Beyond it the check streams and DCP reads the files again
+    (two reads, less memory). Peak memory of a load is about this rank's share of the
+    checkpoint."""
     on_save_error: str = "raise"
     """What a failed save does once logged (ckpt.save.failed): "raise" stops training (the
     error reaches the loop at the next save or wait), "continue" goes on training. Either way
@@ -80,6 +92,11 @@ class CheckpointConfig:
             )
         if not 1 <= self.write_threads <= 64:
             raise ConfigError(f"write_threads must be in [1, 64], got {self.write_threads}")
+        if self.verify_buffer_mib < 0:
+            raise ConfigError(
+                f"verify_buffer_mib must be >= 0 (0: always read twice), got "
+                f"{self.verify_buffer_mib}"
+            )
         if self.remote_every < 1:
             raise ConfigError(f"remote_every must be >= 1, got {self.remote_every}")
         if self.local_url is not None and self.local_url.rstrip("/") == self.url.rstrip("/"):
@@ -180,7 +197,10 @@ class CheckpointManager:
         )
 
     def verify(self, step: int, manifest: Manifest) -> builtins.list[str]:
-        """This rank's share of the file checks; returns the problems found (empty when valid)."""
+        """This rank's share of the file checks; returns the problems found (empty when valid).
+
+        A separate full read of the files (`resilient verify`); loading checks the files from
+        the bytes it loads instead (resilient/checkpoint/_dcp_read.py)."""
         problems = []
         names = sorted(manifest.files)
         for i, name in enumerate(names):
@@ -188,15 +208,18 @@ class CheckpointManager:
                 continue
             want = manifest.files[name]
             rel = f"{step_dir(step)}/{name}"
+            algo = manifest.checksum
             try:
-                crc, size = self.storage.checksum(rel)
+                value, size = self.storage.checksum(rel, algorithm=algo)
             except FileNotFoundError:
                 problems.append(f"{name}: missing (expected {want.size} bytes)")
                 continue
             if size != want.size:
                 problems.append(f"{name}: size {size} != expected {want.size} (truncated or torn)")
-            elif crc != want.crc32:
-                problems.append(f"{name}: crc32 {crc:08x} != expected {want.crc32:08x} (corrupt)")
+            elif value != want.checksum:
+                problems.append(
+                    f"{name}: {algo} {value:08x} != expected {want.checksum:08x} (corrupt)"
+                )
         return problems
 
     # ---------------------------------------------------------------- save
@@ -338,10 +361,10 @@ class CheckpointManager:
             for name, (crc, size) in per_rank.items():
                 if name.endswith(".tmp"):  # DCP writes .metadata.tmp, then renames it
                     continue
-                files[name] = FileEntry(size=size, crc32=crc)
+                files[name] = FileEntry(size=size, checksum=crc)
         stored = self.storage.list_sizes(rel)  # one listing, not a request per file
         crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}", size=stored.get(_DCP_METADATA))
-        files[_DCP_METADATA] = FileEntry(size=size, crc32=crc)
+        files[_DCP_METADATA] = FileEntry(size=size, checksum=crc)
         for name, entry in files.items():  # what storage holds is what we hashed
             found = stored.get(name)
             if found != entry.size:
@@ -422,22 +445,30 @@ class CheckpointManager:
             self._log.error("ckpt.fallback", step=step, reason=str(e))
             self._rejected.add(step)
             return False
-        problems = [p for ps in self._gather_all(self.verify(step, manifest)) for p in ps]
+        problems: builtins.list[str] = []
+        error: str | None = None
+        try:
+            self._load(state, step, manifest)
+        except (CheckpointMismatchError, ConfigError):
+            raise
+        except VerificationFailed as e:
+            problems = e.problems
+        except (Exception, CheckpointException) as e:
+            found = _verification_problems(e)
+            if found:
+                problems = found
+            else:
+                error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
+        # all ranks must land on the same checkpoint, even if only one failed to load it
+        outcomes = self._gather_all((problems, error))
+        problems = sorted({p for ps, _ in outcomes for p in ps})
+        errors = [err for _, err in outcomes if err]
         if problems:
             self._log.error(
                 "ckpt.fallback", step=step, reason="verification failed", problems=problems
             )
             self._rejected.add(step)
             return False
-        error: str | None = None
-        try:
-            self._load(state, step, manifest)
-        except (CheckpointMismatchError, ConfigError):
-            raise
-        except (Exception, CheckpointException) as e:
-            error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
-        # all ranks must land on the same checkpoint, even if only one failed to load it
-        errors = [err for err in self._gather_all(error) if err]
         if errors:
             self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
             self._rejected.add(step)
@@ -454,8 +485,35 @@ class CheckpointManager:
         return True
 
     def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
-        reader = make_reader(self.storage, step_dir(step))
-        md = reader.read_metadata()
+        verifier = Verifier(
+            storage=self.storage,
+            rel=step_dir(step),
+            manifest=manifest,
+            rank=self.rank,
+            world_size=self.world_size,
+            gather=self._gather_all,
+            buffer_bytes=self.config.verify_buffer_mib << 20,
+        )
+        reader = make_reader(self.storage, step_dir(step), verifier=verifier)
+        # Every rank checks .metadata before unpickling it; all agree before going on.
+        problems: builtins.list[str] = []
+        failed: Exception | None = None
+        try:
+            md = reader.read_metadata()
+        except VerificationFailed as e:
+            problems = e.problems
+        except Exception as e:  # refused by the restricted unpickler, unreadable, ...
+            failed = e
+        mine = None if failed is None else self.storage.redact(f"rank {self.rank}: {_why(failed)}")
+        outcomes = self._gather_all((problems, mine))
+        problems = sorted({p for ps, _ in outcomes for p in ps})
+        if problems:
+            raise VerificationFailed(problems)
+        if failed is not None:
+            raise failed
+        others = [err for _, err in outcomes if err]
+        if others:
+            raise CheckpointError("; ".join(others))
         saved = md.state_dict_metadata
         self._check_fits(state, saved, step)
         same_world = manifest.world_size == self.world_size
@@ -553,6 +611,18 @@ def _first_failure(e: BaseException) -> BaseException:
         if isinstance(exc, BaseException):
             return exc
     return e
+
+
+def _verification_problems(e: BaseException) -> builtins.list[str]:
+    """The problems of a VerificationFailed raised inside dcp.load (in its CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    found: builtins.list[str] = []
+    if isinstance(e, CheckpointException) and isinstance(failures, dict):
+        for failure in failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, VerificationFailed):
+                found += exc.problems
+    return found
 
 
 def _why(e: BaseException) -> str:
