@@ -298,7 +298,7 @@ class MemoryReader(io.RawIOBase):
     """A seekable read-only stream over bytes already in memory, without copying them
     (io.BytesIO copies a bytearray)."""
 
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+    def __init__(self, data: Any) -> None:
         super().__init__()
         self._view = memoryview(data).cast("B")
         self._pos = 0

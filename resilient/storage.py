@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import mmap
 import os
 import posixpath
 import random
@@ -37,6 +38,8 @@ from resilient.log import get_logger
 __all__ = ["RetryPolicy", "Storage", "is_retryable"]
 
 T = TypeVar("T")
+Buffer = bytes | bytearray | mmap.mmap
+"""Bytes in memory or mapped from a file."""
 _PART = 16 << 20
 """Part size of uploads and block size of reads unless storage_options set
 `default_block_size` (s3fs's own default, 50 MiB, holds 500 MiB per file in flight and starts
@@ -513,25 +516,30 @@ class Storage:
 
         return self._call(f"checksum {rel}", run)
 
-    def fetch(self, rel: str, *, size: int, algorithm: str = DEFAULT) -> tuple[bytearray, int]:
-        """(content, checksum) of file `rel` of `size` bytes, read once into memory.
+    def fetch(self, rel: str, *, size: int, algorithm: str = DEFAULT) -> tuple[Buffer, int]:
+        """(content, checksum) of file `rel` of `size` bytes, read once.
 
-        Remotely in parts of `part_size`, `concurrency` at a time, each one retried call; the
+        Locally a read-only memory map: the bytes stay in the page cache, with no copy into
+        the process, and whoever reads the content next reads those pages. Remotely in parts
+        of `part_size`, `concurrency` at a time, each one retried call, into memory; the
         checksum runs over each part in order as it arrives. OSError when the file holds
         fewer bytes than `size` (changed or truncated while being read)."""
         update = updater(algorithm)
-        buf = bytearray(size)
-        view = memoryview(buf)
         if self.is_local:
 
-            def run() -> int:
-                with open(self.path(rel), "rb", buffering=0) as f:
-                    return _read_into(f, view)
+            def run() -> Buffer:
+                with open(self.path(rel), "rb") as f:
+                    found = os.fstat(f.fileno()).st_size
+                    if found != size:
+                        raise OSError(f"{self.url_of(rel)}: holds {found} bytes, expected {size}")
+                    if size == 0:
+                        return b""
+                    return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
 
-            got = self._call(f"read {rel}", run)
-            if got != size:
-                raise OSError(f"{self.url_of(rel)}: read {got} bytes, expected {size}")
-            return buf, update(view, 0)
+            data = self._call(f"read {rel}", run)
+            return data, update(data, 0)
+        buf = bytearray(size)
+        view = memoryview(buf)
         path = self.path(rel)
         spans = [(s, min(size, s + self.part_size)) for s in range(0, size, self.part_size)]
 
@@ -649,17 +657,6 @@ class Storage:
         if not self.is_s3:
             return None
         return _s3.explain(exc, self.url, _s3.endpoint_of(self.fs))
-
-
-def _read_into(f: Any, view: memoryview) -> int:
-    """Fill `view` from unbuffered file `f`; the bytes read (fewer at end of file)."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
 
 
 def fsync_dir(path: str) -> None:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from resilient._transfer import MemoryReader
-from resilient.storage import Storage
+from resilient.storage import Buffer, Storage
 
 __all__ = ["StorageFileSystem", "VerifiedBytesFileSystem"]
 
@@ -76,7 +76,7 @@ class VerifiedBytesFileSystem:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self.verified: dict[str, bytes | bytearray] = {}
+        self.verified: dict[str, Buffer] = {}
         """file name (no directory) -> its whole content, already checked against the
         manifest."""
 

@@ -33,7 +33,7 @@ from resilient.checkpoint._torch_compat import metadata_path, planner_store, rea
 from resilient.checkpoint.manifest import FileEntry, Manifest
 from resilient.checksum import updater
 from resilient.errors import CheckpointCorruptError, CheckpointError
-from resilient.storage import Storage
+from resilient.storage import Buffer, Storage
 
 __all__ = [
     "SafeLoadPlanner",
@@ -139,7 +139,7 @@ class Verifier:
             return self.problem(name, want, len(data), value)
         return None
 
-    def verify_for(self, reader: FileSystemReader, plan: LoadPlan) -> dict[str, bytearray]:
+    def verify_for(self, reader: FileSystemReader, plan: LoadPlan) -> dict[str, Buffer]:
         """Check every file (this rank: its share); return the bytes it keeps for DCP.
 
         A collective: two all-gathers, which every rank reaches whatever happens on the way.
@@ -151,7 +151,7 @@ class Verifier:
             name, length = read_location(reader, item.storage_index)
             needs[name] = needs.get(name, 0) + length
         everyone: list[dict[str, int]] = self.gather(needs)
-        kept: dict[str, bytearray] = {}
+        kept: dict[str, Buffer] = {}
         problems: list[str] = []
         error: str | None = None
         try:
@@ -192,7 +192,7 @@ class Verifier:
                 mine.append(name)
         return mine
 
-    def _check_file(self, name: str, *, keep: bool) -> tuple[bytearray | None, str | None]:
+    def _check_file(self, name: str, *, keep: bool) -> tuple[Buffer | None, str | None]:
         want = self.manifest.files[name]
         rel = f"{self.rel}/{name}"
         try:
