@@ -461,6 +461,8 @@ class Bench:
             self.plain = nn.Sequential(*mods)
             self.plain_opt = self.torch.optim.AdamW(self.plain.parameters(), lr=1e-5)
         plain = TrainState(model=self.plain, optimizer=self.plain_opt) if self.rank == 0 else None
+        if self.rank == 0 and not self.plain_opt.state:  # warm: AdamW state, first-load costs
+            self.mgr_solo_from2.load_latest(plain)
         out: dict[str, Any] = {}
 
         def solo(fn: Callable[[], Any]) -> Callable[[], None]:
@@ -977,6 +979,8 @@ def _rounded(o: Any) -> Any:
         return round(o, 4)
     if isinstance(o, dict):
         return {k: _rounded(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_rounded(v) for v in o]
     return o
 
 
