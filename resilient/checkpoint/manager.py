@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -29,6 +28,7 @@ from resilient.checkpoint._dcp_read import (
     make_reader,
 )
 from resilient.checkpoint._dcp_write import make_writer
+from resilient.checkpoint.collectives import Collectives
 from resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -111,6 +111,9 @@ class CheckpointConfig:
 class CheckpointInfo:
     step: int
     committed: bool
+    """Its manifest exists (an unfinished save has none)."""
+    tier: str | None = None
+    """TieredCheckpointManager: "local" or "remote"; None for a single tier."""
 
 
 class CheckpointManager:
@@ -129,14 +132,16 @@ class CheckpointManager:
         self.storage = Storage(
             config.url, storage_options=config.storage_options, retry=config.retry
         )
-        self._distributed = dist.is_available() and dist.is_initialized()
+        self.collectives = Collectives(process_group)
+        """Agreement over this manager's process group (TieredCheckpointManager's too)."""
+        self._distributed = self.collectives.distributed
         self._pg = process_group
         if not self._distributed:  # DCP warns on every single-process save; we mean it
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-        self.rank = dist.get_rank() if self._distributed else 0
-        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        self.rank = self.collectives.rank
+        self.world_size = self.collectives.world_size
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
         self._staged: Future[Any] | None = None
@@ -147,38 +152,10 @@ class CheckpointManager:
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
 
-    # ---------------------------------------------------------------- collectives
-    def _bcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        return box[0]
-
-    def _gather_all(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
-    def _agree(self, fn: Any) -> Any:
-        """Run `fn` on rank 0 and give every rank its result or its exception."""
-        result: tuple[bool, Any] = (True, None)
-        if self.rank == 0:
-            try:
-                result = (True, fn())
-            except Exception as e:  # shipped to every rank and re-raised there
-                result = (False, e)
-        ok, value = self._bcast(result)
-        if not ok:
-            raise value
-        return value
-
     # ---------------------------------------------------------------- discovery
     def check_writable(self) -> None:
         """Create the location if needed and prove it writable (rank 0), before training starts."""
-        self._agree(self.storage.check_writable)
+        self.collectives.agree(self.storage.check_writable)
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoint directories under the root, oldest first. Foreign names are ignored."""
@@ -236,6 +213,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
         sd = state.to_state_dict(step=step, rank=self.rank)
+        built = time.perf_counter() - t0
         if blocking:
             self._write_and_commit(sd, step, t0, staged_at=t0)
             return
@@ -247,15 +225,20 @@ class CheckpointManager:
             staged = done
         self._staged = staged
         blocked = time.perf_counter() - t0
-        self._pending = self._get_executor().submit(self._async_job, staged, step, t0, blocked)
+        self._pending = self._get_executor().submit(
+            self._async_job, staged, step, t0, blocked, built
+        )
 
-    def _async_job(self, staged: Future[Any], step: int, t0: float, blocked: float) -> int | None:
+    def _async_job(
+        self, staged: Future[Any], step: int, t0: float, blocked: float, built: float
+    ) -> int | None:
         sd = staged.result()
         staged_at = time.perf_counter()
         self._log.info(
             "ckpt.save.staged",
             step=step,
             blocked_s=round(blocked, 4),
+            state_dict_s=round(built, 4),
             staging_s=round(staged_at - t0, 4),
         )
         return self._write_and_commit(sd, step, t0, staged_at=staged_at)
@@ -286,7 +269,7 @@ class CheckpointManager:
         try:
             # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
             with self.storage.budget(self.config.retry.save_budget_s):
-                if self._agree(lambda: self._prepare_dir(rel)) == "exists":
+                if self.collectives.agree(lambda: self._prepare_dir(rel)) == "exists":
                     self._log.info("ckpt.save.skipped", step=step, reason="already committed")
                     return step
                 writer = make_writer(self.storage, rel, thread_count=self.config.write_threads)
@@ -298,8 +281,8 @@ class CheckpointManager:
                     no_dist=not self._distributed,
                 )
                 written = time.perf_counter()
-                entries = self._gather_all(writer.file_checksums)
-                manifest = self._agree(lambda: self._commit(step, entries))
+                entries = self.collectives.gather_all(writer.file_checksums)
+                manifest = self.collectives.agree(lambda: self._commit(step, entries))
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped
         # unlogged and uncounted.
         except (Exception, CheckpointException) as e:
@@ -429,7 +412,9 @@ class CheckpointManager:
 
     def candidates(self) -> builtins.list[int]:
         """Committed steps, newest first, as rank 0 lists them (every rank gets the same)."""
-        return self._agree(lambda: [i.step for i in reversed(self.list()) if i.committed])
+        return self.collectives.agree(
+            lambda: [i.step for i in reversed(self.list()) if i.committed]
+        )
 
     def try_load(self, state: TrainState, step: int, *, started: float | None = None) -> bool:
         """Verify checkpoint `step` against its manifest and load it into `state`.
@@ -440,7 +425,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter() if started is None else started
         try:
-            manifest = self._agree(lambda: self.read_manifest(step))
+            manifest = self.collectives.agree(lambda: self.read_manifest(step))
         except CheckpointCorruptError as e:
             self._log.error("ckpt.fallback", step=step, reason=str(e))
             self._rejected.add(step)
@@ -460,7 +445,7 @@ class CheckpointManager:
             else:
                 error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
         # all ranks must land on the same checkpoint, even if only one failed to load it
-        outcomes = self._gather_all((problems, error))
+        outcomes = self.collectives.gather_all((problems, error))
         problems = sorted({p for ps, _ in outcomes for p in ps})
         errors = [err for _, err in outcomes if err]
         if problems:
@@ -491,7 +476,7 @@ class CheckpointManager:
             manifest=manifest,
             rank=self.rank,
             world_size=self.world_size,
-            gather=self._gather_all,
+            gather=self.collectives.gather_all,
             buffer_bytes=self.config.verify_buffer_mib << 20,
         )
         reader = make_reader(self.storage, step_dir(step), verifier=verifier)
@@ -505,7 +490,7 @@ class CheckpointManager:
         except Exception as e:  # refused by the restricted unpickler, unreadable, ...
             failed = e
         mine = None if failed is None else self.storage.redact(f"rank {self.rank}: {_why(failed)}")
-        outcomes = self._gather_all((problems, mine))
+        outcomes = self.collectives.gather_all((problems, mine))
         problems = sorted({p for ps, _ in outcomes for p in ps})
         if problems:
             raise VerificationFailed(problems)
