@@ -218,10 +218,19 @@ class _SafeReader(FileSystemReader):
     verifier: Verifier | None = None
     fs: Any
 
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self._metadata_bytes: dict[str, bytes] = {}
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = metadata_path(self, kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
+        # The manager reads it (to check the model fits) before dcp.load reads it again: the
+        # second read comes from the bytes of the first (one request fewer per rank on S3).
+        data = self._metadata_bytes.get(str(path))
+        if data is None:
+            with self.fs.create_stream(path, "rb") as f:
+                data = f.read()
+            self._metadata_bytes[str(path)] = data
         if self.verifier is not None:
             problem = self.verifier.check_bytes(METADATA, data)
             if problem is not None:
