@@ -147,14 +147,19 @@ class Verifier:
         on every rank alike.
         """
         needs: dict[str, int] = {}
-        for item in plan.items:
-            name, length = read_location(reader, item.storage_index)
-            needs[name] = needs.get(name, 0) + length
+        error: str | None = None
+        try:
+            for item in plan.items:
+                name, length = read_location(reader, item.storage_index)
+                needs[name] = needs.get(name, 0) + length
+        except Exception as e:  # reported after the agreement, never skipping a collective
+            error = f"rank {self.rank}: cannot map DCP's reads to files: {type(e).__name__}: {e}"
         everyone: list[dict[str, int]] = self.gather(needs)
         kept: dict[str, Buffer] = {}
         problems: list[str] = []
-        error: str | None = None
         try:
+            if error is not None:
+                raise CheckpointError(error)
             mine = self._share(everyone)
             keep = sum(self.manifest.files[n].size for n in mine) <= self.buffer_bytes
             for name in mine:
