@@ -251,6 +251,9 @@ class Storage:
                         raise OSError(f"{self.url_of(rel)}: holds {found} bytes, expected {size}")
                     if size == 0:
                         return b""
+                    # A file truncated by someone else while mapped would fault (SIGBUS) on
+                    # access: checkpoint files are never rewritten in place once committed,
+                    # and the size was checked just now.
                     return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
 
             data = self.call(f"read {rel}", run)
