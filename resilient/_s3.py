@@ -16,7 +16,7 @@ import copy
 import hashlib
 from typing import Any
 
-__all__ = ["PROTOCOLS", "S3Sink", "explain", "prepare_options", "tune_filesystem"]
+__all__ = ["PROTOCOLS", "S3Backend", "S3Sink", "explain", "prepare_options", "tune_filesystem"]
 
 PROTOCOLS = frozenset({"s3", "s3a"})
 # Option names that hold secrets: their values are redacted from every message we produce.
@@ -238,3 +238,38 @@ def _chain(exc: BaseException) -> list[BaseException]:
         out.append(e)
         e = e.__cause__ or e.__context__
     return out
+
+
+class S3Backend:
+    """resilient.storage.backends.Backend for s3:// through s3fs."""
+
+    def prepare_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        return prepare_options(options)
+
+    def tune(self, fs: Any) -> None:
+        tune_filesystem(fs)
+
+    def secrets(self, options: dict[str, Any]) -> list[str]:
+        return secrets_of(options)
+
+    def is_file(self, storage: Any, path: str) -> bool:
+        """One HEAD (s3fs's isfile may list the prefix too)."""
+        bucket, key, _ = storage.fs.split_path(path)
+        try:
+            storage.fs.call_s3("head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def copy(self, storage: Any, src: str, dst: str) -> None:
+        """One CopyObject (s3fs's cp_file asks for the size first): files up to 5 GB."""
+        bucket, key, _ = storage.fs.split_path(src)
+        dbucket, dkey, _ = storage.fs.split_path(dst)
+        source = {"Bucket": bucket, "Key": key}
+        storage.fs.call_s3("copy_object", Bucket=dbucket, Key=dkey, CopySource=source)
+
+    def sink(self, storage: Any, rel: str) -> S3Sink:
+        return S3Sink(storage.fs, storage.path(rel), rel, storage.call)
+
+    def explain(self, storage: Any, exc: BaseException) -> str | None:
+        return explain(exc, storage.url, endpoint_of(storage.fs))

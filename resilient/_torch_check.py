@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "TESTED_TORCH",
     "TorchCompatError",
+    "missing",
     "require_attrs",
     "require_import",
     "require_params",
@@ -34,7 +35,9 @@ class TorchCompatError(ImportError):
     for which feature, and what to do."""
 
 
-def _fail(what: str, feature: str) -> TorchCompatError:
+def missing(what: str, feature: str) -> TorchCompatError:
+    """The error for a missing `what` that `feature` needs (for checks the helpers below
+    cannot express)."""
     return TorchCompatError(
         f"resilient: torch {torch.__version__} has no {what}, which {feature} needs. "
         f"resilient was tested with torch {TESTED_TORCH}: install that release, or report "
@@ -55,14 +58,14 @@ def require_import(module: str, name: str, *, feature: str) -> Any:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        raise _fail(f"{module}.{name}", feature) from None
+        raise missing(f"{module}.{name}", feature) from None
 
 
 def require_attrs(owner: Any, names: Iterable[str], *, feature: str) -> None:
     """Every name in `names` is an attribute of `owner` (a class or module)."""
     for n in names:
         if not hasattr(owner, n):
-            raise _fail(f"{_name(owner)}.{n}", feature)
+            raise missing(f"{_name(owner)}.{n}", feature)
 
 
 def require_params(func: Any, params: Iterable[str], *, feature: str) -> None:
@@ -71,10 +74,10 @@ def require_params(func: Any, params: Iterable[str], *, feature: str) -> None:
     try:
         have = [p for p in inspect.signature(func).parameters if p != "self"]
     except (TypeError, ValueError):
-        raise _fail(f"a readable signature of {_name(func)}", feature) from None
+        raise missing(f"a readable signature of {_name(func)}", feature) from None
     want = list(params)
     if have[: len(want)] != want:
-        raise _fail(f"{_name(func)}({', '.join(want)}) (it takes ({', '.join(have)}))", feature)
+        raise missing(f"{_name(func)}({', '.join(want)}) (it takes ({', '.join(have)}))", feature)
 
 
 def require_self_attrs(cls: type, names: Iterable[str], *, feature: str) -> None:
@@ -86,8 +89,8 @@ def require_self_attrs(cls: type, names: Iterable[str], *, feature: str) -> None
             try:
                 sources.append(inspect.getsource(klass))
             except (OSError, TypeError):
-                raise _fail(f"readable source for {_name(klass)}", feature) from None
+                raise missing(f"readable source for {_name(klass)}", feature) from None
     text = "\n".join(sources)
     for n in names:
         if f"self.{n} =" not in text and f"self.{n}:" not in text:
-            raise _fail(f"{_name(cls)}.{n}", feature)
+            raise missing(f"{_name(cls)}.{n}", feature)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from resilient.log import get_logger
 
-__all__ = ["BlockReader", "PartSink", "UploadStream"]
+__all__ = ["BlockReader", "MemoryReader", "PartSink", "UploadStream"]
 
 MIN_PART = 5 << 20
 """S3's smallest part (every part but the last)."""
@@ -292,3 +292,46 @@ class BlockReader(io.RawIOBase):
                     break
                 if i not in keep and self._blocks[i].done():
                     del self._blocks[i]
+
+
+class MemoryReader(io.RawIOBase):
+    """A seekable read-only stream over bytes already in memory, without copying them
+    (io.BytesIO copies a bytearray)."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        n = len(self._view)
+        end = n if size is None or size < 0 else min(n, self._pos + size)
+        start, self._pos = self._pos, max(self._pos, end)
+        return self._view[start:end].tobytes()
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()

@@ -15,9 +15,14 @@ every repetition, in a rotated order:
   the commit (size check, manifest PUT) and retention;
 - put: s3fs put of the very files that save wrote (fetched once to a local directory), with
   the same part size and parts in flight;
-- load: load_latest into a fresh state: manifest, crc32 verification (a full read), then
-  DCP's read; `read` is the load without its verification;
+- load: load_latest into the live state: manifest, then DCP's read, every file checked
+  against the manifest from the bytes DCP reads (one read of each byte);
+- load2: the same with CheckpointConfig(verify_buffer_mib=0): a streaming check first, then
+  DCP reads again (two reads of each byte, what every load did before single-pass loads);
 - get: s3fs get of the same files to a local directory.
+
+CPU seconds of the process (all threads, moto excluded: it is a child process) are taken
+around each save and load; `cpu_s_per_gb` is the save's.
 
 The server (moto, pure Python) is the bottleneck, so only ratios taken in the same run mean
 anything: save/put is the target (>= 0.8). Prints a table of medians; the last line of stdout
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -174,6 +180,7 @@ class Bench:
         import s3fs
 
         self.args = args
+        self.load_start = os.getloadavg()[0]
         self.bucket = f"bench-{uuid.uuid4().hex[:8]}"
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
         self.fs.mkdir(self.bucket)
@@ -184,9 +191,12 @@ class Bench:
         # One client per configuration, kept across repetitions and warmed up before the first
         # measurement, for both sides: a training run keeps its manager for many saves.
         self.clients: dict[str, tuple[Any, Any]] = {}
+        self.two_pass: dict[str, Any] = {}
 
     def close(self) -> None:
         for mgr, _ in self.clients.values():
+            mgr.close()
+        for mgr in self.two_pass.values():
             mgr.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -195,7 +205,7 @@ class Bench:
 
         return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **t.options())
 
-    def _manager(self, t: Transfer, prefix: str) -> Any:
+    def _manager(self, t: Transfer, prefix: str, **kw: Any) -> Any:
         from resilient.checkpoint import CheckpointConfig, CheckpointManager
 
         return CheckpointManager(
@@ -205,27 +215,32 @@ class Bench:
                 keep_last=1,
                 write_threads=t.threads,
                 storage_options=t.options(),
+                **kw,
             )
         )
 
     def _clients(self, t: Transfer) -> tuple[Any, Any]:
         if t.name not in self.clients:
             mgr, fs = self._manager(t, f"ckpt-{t.name}"), self._fs(t)
+            two_pass = self._manager(t, f"ckpt-{t.name}", verify_buffer_mib=0)
             mgr.list()
+            two_pass.list()
             fs.ls(self.bucket)
             self.clients[t.name] = (mgr, fs)
+            self.two_pass[t.name] = two_pass
         return self.clients[t.name]
 
     def one(self, t: Transfer) -> dict[str, float]:
-        """save, get, put, load, read of one fresh checkpoint with transfer settings `t`."""
+        """save, get, put, load, load2 of one fresh checkpoint with transfer settings `t`."""
         from resilient.checkpoint.manifest import MANIFEST_NAME, step_dir
 
         self.step += 1
         prefix = f"ckpt-{t.name}"
         mgr, fs = self._clients(t)
-        t0 = time.perf_counter()
+        c0, t0 = cpu_now(), time.perf_counter()
         mgr.save(self.state, self.step)
         save_s = time.perf_counter() - t0
+        save_cpu = cpu_now() - c0
         rel = step_dir(self.step)
         src = f"{self.bucket}/{prefix}/{rel}"
         names = [n for n in mgr.storage.list_files(rel) if n != MANIFEST_NAME]
@@ -255,24 +270,32 @@ class Bench:
         fs.rm(f"{self.bucket}/put-{t.name}", recursive=True)
         shutil.rmtree(local)
 
-        t0 = time.perf_counter()
-        assert mgr.load_latest(self.state) == self.step
-        load_s = time.perf_counter() - t0
-        manifest = mgr.read_manifest(self.step)
-        t0 = time.perf_counter()
-        assert mgr.verify(self.step, manifest) == []
-        verify_s = time.perf_counter() - t0
+        loads: dict[str, tuple[float, float]] = {}
+        order = [("load", mgr), ("load2", self.two_pass[t.name])]
+        for name, m in order if self.step % 2 else order[::-1]:  # alternate which goes first
+            c0, t0 = cpu_now(), time.perf_counter()
+            assert m.load_latest(self.state) == self.step
+            loads[name] = (time.perf_counter() - t0, cpu_now() - c0)
         rec = {
             "config": t.name,
             "bytes": nbytes,
             "save": save_s,
             "put": put_s,
-            "load": load_s,
-            "read": max(load_s - verify_s, 1e-9),
+            "load": loads["load"][0],
+            "load2": loads["load2"][0],
             "get": get_s,
+            "save_cpu": save_cpu,
+            "load_cpu": loads["load"][1],
+            "load2_cpu": loads["load2"][1],
         }
         self.raw.append(rec)
         return rec
+
+
+def cpu_now() -> float:
+    """CPU seconds of this process, all threads (the moto server is a child: not counted)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
 
 
 def median(records: list[dict[str, Any]], key: str) -> float:
@@ -283,15 +306,16 @@ def report(bench: Bench, configs: list[Transfer], elapsed: float) -> dict[str, A
     lines = [
         f"# S3 on moto (127.0.0.1), state {bench.args.mib} MiB, {bench.args.reps} repetitions; "
         f"MB/s (1e6 bytes/s) from median times; ratios are medians of back-to-back pairs; "
-        f"run took {elapsed:.0f} s",
+        f"run took {elapsed:.0f} s; load average {bench.load_start:.2f} at start, "
+        f"{os.getloadavg()[0]:.2f} at end",
         f"{'config':<14}{'MB':>7}{'save':>8}{'put':>8}{'save/put':>9}"
-        f"{'load':>8}{'read':>8}{'get':>8}{'load/get':>9}{'read/get':>9}",
+        f"{'load':>8}{'load2':>8}{'get':>8}{'load/get':>9}{'load2/get':>10}{'CPU s/GB':>9}",
     ]
     ratios: dict[str, Any] = {}
     for t in configs:
         recs = [r for r in bench.raw if r["config"] == t.name]
         mb = median(recs, "bytes") / 1e6
-        rate = {k: mb / median(recs, k) for k in ("save", "put", "load", "read", "get")}
+        rate = {k: mb / median(recs, k) for k in ("save", "put", "load", "load2", "get")}
 
         def paired(a: str, b: str, recs: list[dict[str, Any]] = recs) -> float:
             """Median over repetitions of b_time / a_time, each pair measured back to back:
@@ -301,7 +325,10 @@ def report(bench: Bench, configs: list[Transfer], elapsed: float) -> dict[str, A
         r = {
             "save_vs_put": paired("save", "put"),
             "load_vs_get": paired("load", "get"),
-            "read_vs_get": paired("read", "get"),
+            "load2_vs_get": paired("load2", "get"),
+            "cpu_s_per_gb": median(recs, "save_cpu") / (mb / 1e3),
+            "load_cpu_s_per_gb": median(recs, "load_cpu") / (mb / 1e3),
+            "load2_cpu_s_per_gb": median(recs, "load2_cpu") / (mb / 1e3),
             "save_mbps": rate["save"],
             "put_mbps": rate["put"],
             "load_mbps": rate["load"],
@@ -310,12 +337,14 @@ def report(bench: Bench, configs: list[Transfer], elapsed: float) -> dict[str, A
         ratios[t.name] = r
         lines.append(
             f"{t.name:<14}{mb:>7.1f}{rate['save']:>8.1f}{rate['put']:>8.1f}"
-            f"{r['save_vs_put']:>9.2f}{rate['load']:>8.1f}{rate['read']:>8.1f}"
-            f"{rate['get']:>8.1f}{r['load_vs_get']:>9.2f}{r['read_vs_get']:>9.2f}"
+            f"{r['save_vs_put']:>9.2f}{rate['load']:>8.1f}{rate['load2']:>8.1f}"
+            f"{rate['get']:>8.1f}{r['load_vs_get']:>9.2f}{r['load2_vs_get']:>10.2f}"
+            f"{r['cpu_s_per_gb']:>9.2f}"
         )
     lines.append(
         "config t<write threads>-c<parts in flight per file>-p<part MiB>, the same on both "
-        "sides (t1-default: each side's own); save/load/read/put/get in MB/s"
+        "sides (t1-default: each side's own); save/load/load2/put/get in MB/s; load2: two "
+        "reads (check, then load); CPU s/GB: the save's, this process"
     )
     print("\n".join(lines), flush=True)
     main = ratios[configs[0].name]
@@ -326,7 +355,14 @@ def report(bench: Bench, configs: list[Transfer], elapsed: float) -> dict[str, A
         "reps": bench.args.reps,
         "save_vs_put": main["save_vs_put"],
         "load_vs_get": main["load_vs_get"],
-        "read_vs_get": main["read_vs_get"],
+        "load2_vs_get": main["load2_vs_get"],
+        "cpu_s_per_gb": main["cpu_s_per_gb"],
+        "load_cpu_s_per_gb": main["load_cpu_s_per_gb"],
+        "load2_cpu_s_per_gb": main["load2_cpu_s_per_gb"],
+        "reshard_over_same": None,  # one process: see bench_checkpoint.py
+        "scale": None,  # see bench_checkpoint.py --scale
+        "load_avg_start": bench.load_start,
+        "load_avg_end": os.getloadavg()[0],
         "save_vs_put_own_defaults": defaults["save_vs_put"],
         "save_vs_put_min": min(r["save_vs_put"] for r in ratios.values()),
         "sweep": {k: {n: round(v, 3) for n, v in r.items()} for k, r in ratios.items()},

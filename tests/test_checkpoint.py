@@ -31,7 +31,8 @@ from resilient import (
     state_digest,
 )
 from resilient.checkpoint.manifest import step_dir
-from resilient.storage import RetryPolicy, crc32_of
+from resilient.checksum import checksum_of
+from resilient.storage import RetryPolicy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,6 +118,103 @@ def test_round_trip_is_bitwise_exact_with_scheduler_and_rng(
     a.train(3, seed=7)
     b.train(3, seed=7)
     assert b.digest() == a.digest()
+
+
+def test_stock_dcp_reads_what_we_write(tmp_path: Path) -> None:
+    """Our files are DCP's own format (torch.save records, their zip CRC left out): stock
+    dcp.load with its default reader gets the same tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    a = Trainee(0)
+    a.train(2)
+    mgr = manager(tmp_path)
+    mgr.save(a.state(), step=2)
+    mgr.close()
+    want = a.state().to_state_dict(step=2, rank=0)
+    got = Trainee(1).state().load_template(rank=0, has_rank_blob=True)
+    dcp.load(got, checkpoint_id=str(tmp_path / step_dir(2)), no_dist=True)
+    for key in ("model", "optim"):
+        flat_want = dict(_flatten(want[key]))
+        flat_got = dict(_flatten(got[key]))
+        assert flat_want.keys() == flat_got.keys()
+        for k, v in flat_want.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, flat_got[k]), k
+    assert got["common"] == want["common"]
+
+
+def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [kv for k, v in obj.items() for kv in _flatten(v, f"{prefix}.{k}")]
+    if isinstance(obj, list):
+        return [kv for i, v in enumerate(obj) for kv in _flatten(v, f"{prefix}[{i}]")]
+    return [(prefix, obj)]
+
+
+def test_zip_crc_is_skipped_only_in_the_thread_that_asks() -> None:
+    """torch.save's zip CRC is off inside our writer threads only: a user's torch.save in
+    another thread at the same time keeps it (torch's own switch is process-wide)."""
+    import io
+    import threading
+    import zipfile
+
+    from resilient.checkpoint._torch_compat import no_zip_crc32_in_this_thread
+
+    def crcs() -> list[int]:
+        buf = io.BytesIO()
+        torch.save(torch.arange(1000.0), buf)
+        return [i.CRC for i in zipfile.ZipFile(buf).infolist() if i.file_size]
+
+    inside = threading.Event()
+    release = threading.Event()
+    seen: list[list[int]] = []
+
+    def writer() -> None:
+        with no_zip_crc32_in_this_thread():
+            seen.append(crcs())
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert inside.wait(10)
+    try:
+        assert seen[0] and all(c == 0 for c in seen[0])
+        assert all(c != 0 for c in crcs())  # this thread, while the other is inside
+    finally:
+        release.set()
+        t.join()
+    assert all(c != 0 for c in crcs())
+
+
+def test_a_format_1_manifest_with_crc32_still_loads(tmp_path: Path) -> None:
+    """Checkpoints written before CRC-32C (manifest format 1, zlib crc32) stay loadable, and
+    their checksums are still checked."""
+    import zlib
+
+    a = Trainee(0)
+    a.train(2)
+    mgr = manager(tmp_path)
+    mgr.save(a.state(), step=2)
+    mgr.close()
+    d = tmp_path / step_dir(2)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["format_version"] == 2 and m["checksum"] == "crc32c"
+    m["format_version"], m["checksum"] = 1, "crc32"
+    m["files"] = {
+        n: {"size": e["size"], "crc32": zlib.crc32((d / n).read_bytes())}
+        for n, e in m["files"].items()
+    }
+    (d / "manifest.json").write_text(json.dumps(m))
+    b = Trainee(1)
+    assert manager(tmp_path).load_latest(b.state()) == 2
+    assert b.digest() == a.digest()
+    m["files"]["__0_0.distcp"]["crc32"] ^= 1
+    (d / "manifest.json").write_text(json.dumps(m))
+    c = Trainee(1)
+    before = c.digest()
+    assert manager(tmp_path).load_latest(c.state()) is None
+    assert c.digest() == before
 
 
 @pytest.mark.timeout(120)
@@ -241,9 +339,10 @@ def _corrupt(step_path: Path, how: str, marker: Path) -> None:
         # The manifest vouches for the evil file: the checksums alone cannot save us.
         mpath = step_path / "manifest.json"
         manifest = json.loads(mpath.read_text())
+        algo = manifest["checksum"]
         with open(step_path / ".metadata", "rb") as f:
-            crc, size = crc32_of(f)
-        manifest["files"][".metadata"] = {"size": size, "crc32": crc}
+            value, size = checksum_of(f, algo)
+        manifest["files"][".metadata"] = {"size": size, algo: value}
         mpath.write_text(json.dumps(manifest))
     else:
         raise AssertionError(how)

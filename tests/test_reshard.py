@@ -118,3 +118,27 @@ def test_reshard_is_bitwise_exact(request: pytest.FixtureRequest, base: Path, ca
     reshard = [e for e in loader.events("ckpt.load.reshard") if e["saved_world_size"] == save_world]
     assert reshard and reshard[0]["world_size"] == load_world
     assert loader.events("ckpt.fallback") == []
+
+
+def test_a_file_only_another_rank_checks_fails_the_load_on_every_rank_untouched(
+    base: Path, torchrun: Callable[..., Result], launch_b: Launch
+) -> None:
+    """Single-pass verification: rank 1 checks its own file (rank 0 never reads it). A flipped
+    byte there makes both ranks fall back, before either copies a byte into a tensor."""
+    import shutil
+
+    bad = base / "c2_bad"
+    shutil.copytree(base / "c2", bad)
+    data = bad / "step_000000003" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+    launch = Launch(_torchrun(torchrun, 2), 2, [f"load:fsdp:{bad}"], base, "bad")
+    rec = launch.records["fsdp:c2_bad"]
+    assert rec["step"] is None  # the only checkpoint failed: a fresh start
+    assert rec["digest"] == rec["digest_before"]  # every rank's state untouched
+    (fallback,) = launch.events("ckpt.fallback")
+    assert fallback["reason"] == "verification failed"
+    assert any("__1_0.distcp" in p and "corrupt" in p for p in fallback["problems"])
+    assert launch.events("ckpt.load") == []

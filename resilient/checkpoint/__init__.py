@@ -1,6 +1,8 @@
 """Sharded, verified, exact-resume checkpoints on torch.distributed.checkpoint."""
 
+from resilient.checkpoint.collectives import Collectives
 from resilient.checkpoint.manager import CheckpointConfig, CheckpointInfo, CheckpointManager
+from resilient.checkpoint.protocol import CheckpointStore
 from resilient.checkpoint.state import TrainState, state_digest
 from resilient.checkpoint.tiers import TieredCheckpointManager, open_manager
 
@@ -8,6 +10,8 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointStore",
+    "Collectives",
     "TieredCheckpointManager",
     "TrainState",
     "open_manager",

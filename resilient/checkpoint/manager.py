@@ -11,18 +11,24 @@ import builtins
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from resilient import __version__
-from resilient.checkpoint._dcp import SafeLoadPlanner, make_reader, make_writer
+from resilient.checkpoint._dcp_read import (
+    SafeLoadPlanner,
+    VerificationFailed,
+    Verifier,
+    make_reader,
+)
+from resilient.checkpoint._dcp_write import make_writer
+from resilient.checkpoint.collectives import Collectives
+from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
 from resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -38,62 +44,11 @@ from resilient.errors import (
     ConfigError,
 )
 from resilient.log import get_logger
-from resilient.storage import RetryPolicy, Storage
+from resilient.storage import Storage
 
 __all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager"]
 
 _DCP_METADATA = ".metadata"
-
-
-@dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    """Where and how checkpoints are written."""
-
-    url: str
-    """A local directory or an fsspec URL (s3://bucket/prefix). Created when missing."""
-    keep_last: int = 3
-    """Committed checkpoints to keep; older ones and torn leftovers are deleted after a commit."""
-    async_save: bool = True
-    """Write in a background thread; the loop blocks only while tensors are staged."""
-    write_threads: int = 1
-    """DCP writer threads per rank."""
-    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
-    """Passed to fsspec (endpoint, credentials, ...). Not in repr: it may hold secrets."""
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    """Retry policy of every storage call, and the time budget of a save."""
-    local_url: str | None = None
-    """A fast local directory for a second tier (resilient.checkpoint.tiers): most saves go
-    there, every `remote_every`-th to `url`. It must be one directory all ranks share (one
-    host, or a shared filesystem). Needs TieredCheckpointManager / open_manager()."""
-    remote_every: int = 1
-    """With `local_url`: every N-th save (and every explicit blocking save) goes to `url`."""
-    on_save_error: str = "raise"
-    """What a failed save does once logged (ckpt.save.failed): "raise" stops training (the
-    error reaches the loop at the next save or wait), "continue" goes on training. Either way
-    the previous checkpoint stays the newest valid one."""
-
-    def __post_init__(self) -> None:
-        if self.keep_last < 1:
-            raise ConfigError(
-                f"keep_last must be >= 1 (the newest valid checkpoint is always kept), got "
-                f"{self.keep_last}"
-            )
-        if not 1 <= self.write_threads <= 64:
-            raise ConfigError(f"write_threads must be in [1, 64], got {self.write_threads}")
-        if self.remote_every < 1:
-            raise ConfigError(f"remote_every must be >= 1, got {self.remote_every}")
-        if self.local_url is not None and self.local_url.rstrip("/") == self.url.rstrip("/"):
-            raise ConfigError("local_url must differ from url: they are two separate tiers")
-        if self.on_save_error not in ("raise", "continue"):
-            raise ConfigError(
-                f'on_save_error must be "raise" or "continue", got {self.on_save_error!r}'
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    step: int
-    committed: bool
 
 
 class CheckpointManager:
@@ -112,14 +67,16 @@ class CheckpointManager:
         self.storage = Storage(
             config.url, storage_options=config.storage_options, retry=config.retry
         )
-        self._distributed = dist.is_available() and dist.is_initialized()
+        self.collectives = Collectives(process_group)
+        """Agreement over this manager's process group (TieredCheckpointManager's too)."""
+        self._distributed = self.collectives.distributed
         self._pg = process_group
         if not self._distributed:  # DCP warns on every single-process save; we mean it
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-        self.rank = dist.get_rank() if self._distributed else 0
-        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        self.rank = self.collectives.rank
+        self.world_size = self.collectives.world_size
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
         self._staged: Future[Any] | None = None
@@ -130,38 +87,10 @@ class CheckpointManager:
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
 
-    # ---------------------------------------------------------------- collectives
-    def _bcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        return box[0]
-
-    def _gather_all(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
-    def _agree(self, fn: Any) -> Any:
-        """Run `fn` on rank 0 and give every rank its result or its exception."""
-        result: tuple[bool, Any] = (True, None)
-        if self.rank == 0:
-            try:
-                result = (True, fn())
-            except Exception as e:  # shipped to every rank and re-raised there
-                result = (False, e)
-        ok, value = self._bcast(result)
-        if not ok:
-            raise value
-        return value
-
     # ---------------------------------------------------------------- discovery
     def check_writable(self) -> None:
         """Create the location if needed and prove it writable (rank 0), before training starts."""
-        self._agree(self.storage.check_writable)
+        self.collectives.agree(self.storage.check_writable)
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoint directories under the root, oldest first. Foreign names are ignored."""
@@ -180,7 +109,10 @@ class CheckpointManager:
         )
 
     def verify(self, step: int, manifest: Manifest) -> builtins.list[str]:
-        """This rank's share of the file checks; returns the problems found (empty when valid)."""
+        """This rank's share of the file checks; returns the problems found (empty when valid).
+
+        A separate full read of the files (`resilient verify`); loading checks the files from
+        the bytes it loads instead (resilient/checkpoint/_dcp_read.py)."""
         problems = []
         names = sorted(manifest.files)
         for i, name in enumerate(names):
@@ -188,15 +120,18 @@ class CheckpointManager:
                 continue
             want = manifest.files[name]
             rel = f"{step_dir(step)}/{name}"
+            algo = manifest.checksum
             try:
-                crc, size = self.storage.checksum(rel)
+                value, size = self.storage.checksum(rel, algorithm=algo)
             except FileNotFoundError:
                 problems.append(f"{name}: missing (expected {want.size} bytes)")
                 continue
             if size != want.size:
                 problems.append(f"{name}: size {size} != expected {want.size} (truncated or torn)")
-            elif crc != want.crc32:
-                problems.append(f"{name}: crc32 {crc:08x} != expected {want.crc32:08x} (corrupt)")
+            elif value != want.checksum:
+                problems.append(
+                    f"{name}: {algo} {value:08x} != expected {want.checksum:08x} (corrupt)"
+                )
         return problems
 
     # ---------------------------------------------------------------- save
@@ -213,6 +148,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
         sd = state.to_state_dict(step=step, rank=self.rank)
+        built = time.perf_counter() - t0
         if blocking:
             self._write_and_commit(sd, step, t0, staged_at=t0)
             return
@@ -224,15 +160,20 @@ class CheckpointManager:
             staged = done
         self._staged = staged
         blocked = time.perf_counter() - t0
-        self._pending = self._get_executor().submit(self._async_job, staged, step, t0, blocked)
+        self._pending = self._get_executor().submit(
+            self._async_job, staged, step, t0, blocked, built
+        )
 
-    def _async_job(self, staged: Future[Any], step: int, t0: float, blocked: float) -> int | None:
+    def _async_job(
+        self, staged: Future[Any], step: int, t0: float, blocked: float, built: float
+    ) -> int | None:
         sd = staged.result()
         staged_at = time.perf_counter()
         self._log.info(
             "ckpt.save.staged",
             step=step,
             blocked_s=round(blocked, 4),
+            state_dict_s=round(built, 4),
             staging_s=round(staged_at - t0, 4),
         )
         return self._write_and_commit(sd, step, t0, staged_at=staged_at)
@@ -263,7 +204,7 @@ class CheckpointManager:
         try:
             # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
             with self.storage.budget(self.config.retry.save_budget_s):
-                if self._agree(lambda: self._prepare_dir(rel)) == "exists":
+                if self.collectives.agree(lambda: self._prepare_dir(rel)) == "exists":
                     self._log.info("ckpt.save.skipped", step=step, reason="already committed")
                     return step
                 writer = make_writer(self.storage, rel, thread_count=self.config.write_threads)
@@ -275,8 +216,8 @@ class CheckpointManager:
                     no_dist=not self._distributed,
                 )
                 written = time.perf_counter()
-                entries = self._gather_all(writer.file_checksums)
-                manifest = self._agree(lambda: self._commit(step, entries))
+                entries = self.collectives.gather_all(writer.file_checksums)
+                manifest = self.collectives.agree(lambda: self._commit(step, entries))
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped
         # unlogged and uncounted.
         except (Exception, CheckpointException) as e:
@@ -338,10 +279,10 @@ class CheckpointManager:
             for name, (crc, size) in per_rank.items():
                 if name.endswith(".tmp"):  # DCP writes .metadata.tmp, then renames it
                     continue
-                files[name] = FileEntry(size=size, crc32=crc)
+                files[name] = FileEntry(size=size, checksum=crc)
         stored = self.storage.list_sizes(rel)  # one listing, not a request per file
         crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}", size=stored.get(_DCP_METADATA))
-        files[_DCP_METADATA] = FileEntry(size=size, crc32=crc)
+        files[_DCP_METADATA] = FileEntry(size=size, checksum=crc)
         for name, entry in files.items():  # what storage holds is what we hashed
             found = stored.get(name)
             if found != entry.size:
@@ -406,7 +347,9 @@ class CheckpointManager:
 
     def candidates(self) -> builtins.list[int]:
         """Committed steps, newest first, as rank 0 lists them (every rank gets the same)."""
-        return self._agree(lambda: [i.step for i in reversed(self.list()) if i.committed])
+        return self.collectives.agree(
+            lambda: [i.step for i in reversed(self.list()) if i.committed]
+        )
 
     def try_load(self, state: TrainState, step: int, *, started: float | None = None) -> bool:
         """Verify checkpoint `step` against its manifest and load it into `state`.
@@ -417,27 +360,35 @@ class CheckpointManager:
         """
         t0 = time.perf_counter() if started is None else started
         try:
-            manifest = self._agree(lambda: self.read_manifest(step))
+            manifest = self.collectives.agree(lambda: self.read_manifest(step))
         except CheckpointCorruptError as e:
             self._log.error("ckpt.fallback", step=step, reason=str(e))
             self._rejected.add(step)
             return False
-        problems = [p for ps in self._gather_all(self.verify(step, manifest)) for p in ps]
+        problems: builtins.list[str] = []
+        error: str | None = None
+        try:
+            self._load(state, step, manifest)
+        except (CheckpointMismatchError, ConfigError):
+            raise
+        except VerificationFailed as e:
+            problems = e.problems
+        except (Exception, CheckpointException) as e:
+            found = _verification_problems(e)
+            if found:
+                problems = found
+            else:
+                error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
+        # all ranks must land on the same checkpoint, even if only one failed to load it
+        outcomes = self.collectives.gather_all((problems, error))
+        problems = sorted({p for ps, _ in outcomes for p in ps})
+        errors = [err for _, err in outcomes if err]
         if problems:
             self._log.error(
                 "ckpt.fallback", step=step, reason="verification failed", problems=problems
             )
             self._rejected.add(step)
             return False
-        error: str | None = None
-        try:
-            self._load(state, step, manifest)
-        except (CheckpointMismatchError, ConfigError):
-            raise
-        except (Exception, CheckpointException) as e:
-            error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
-        # all ranks must land on the same checkpoint, even if only one failed to load it
-        errors = [err for err in self._gather_all(error) if err]
         if errors:
             self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
             self._rejected.add(step)
@@ -454,8 +405,35 @@ class CheckpointManager:
         return True
 
     def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
-        reader = make_reader(self.storage, step_dir(step))
-        md = reader.read_metadata()
+        verifier = Verifier(
+            storage=self.storage,
+            rel=step_dir(step),
+            manifest=manifest,
+            rank=self.rank,
+            world_size=self.world_size,
+            gather=self.collectives.gather_all,
+            buffer_bytes=self.config.verify_buffer_mib << 20,
+        )
+        reader = make_reader(self.storage, step_dir(step), verifier=verifier)
+        # Every rank checks .metadata before unpickling it; all agree before going on.
+        problems: builtins.list[str] = []
+        failed: Exception | None = None
+        try:
+            md = reader.read_metadata()
+        except VerificationFailed as e:
+            problems = e.problems
+        except Exception as e:  # refused by the restricted unpickler, unreadable, ...
+            failed = e
+        mine = None if failed is None else self.storage.redact(f"rank {self.rank}: {_why(failed)}")
+        outcomes = self.collectives.gather_all((problems, mine))
+        problems = sorted({p for ps, _ in outcomes for p in ps})
+        if problems:
+            raise VerificationFailed(problems)
+        if failed is not None:
+            raise failed
+        others = [err for _, err in outcomes if err]
+        if others:
+            raise CheckpointError("; ".join(others))
         saved = md.state_dict_metadata
         self._check_fits(state, saved, step)
         same_world = manifest.world_size == self.world_size
@@ -553,6 +531,18 @@ def _first_failure(e: BaseException) -> BaseException:
         if isinstance(exc, BaseException):
             return exc
     return e
+
+
+def _verification_problems(e: BaseException) -> builtins.list[str]:
+    """The problems of a VerificationFailed raised inside dcp.load (in its CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    found: builtins.list[str] = []
+    if isinstance(e, CheckpointException) and isinstance(failures, dict):
+        for failure in failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, VerificationFailed):
+                found += exc.problems
+    return found
 
 
 def _why(e: BaseException) -> str:

@@ -1,8 +1,12 @@
 """manifest.json: the record that makes a checkpoint directory a checkpoint.
 
 Written last, by one rank, after every rank's files are durable. It lists every file with its
-size and crc32, so loading can catch torn or bit-flipped files before any tensor is used.
-crc32 catches accidents (torn writes, bit flips), not tampering: it is not a signature.
+size and checksum (`checksum` names the algorithm: crc32c now, crc32 in format 1), so loading
+can catch torn or bit-flipped files before any tensor is used. A CRC catches accidents (torn
+writes, bit flips), not tampering: it is not a signature.
+
+Format 2 (now): `"checksum": "crc32c"`, files as `{"size": N, "crc32c": V}`. Format 1:
+`"checksum": "crc32"`, files as `{"size": N, "crc32": V}`. Both are read.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from resilient.checksum import ALGORITHMS, DEFAULT
 from resilient.errors import CheckpointCorruptError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "FileEntry", "Manifest", "parse_step_dir", "step_dir"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE = (1, 2)
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{9,})$")
 
@@ -36,7 +42,8 @@ def parse_step_dir(name: str) -> int | None:
 @dataclass(frozen=True, slots=True)
 class FileEntry:
     size: int
-    crc32: int
+    checksum: int
+    """The file's checksum under the manifest's algorithm (Manifest.checksum)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,7 +56,8 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     user: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
-    checksum: str = "crc32"
+    checksum: str = DEFAULT
+    """The algorithm of every FileEntry.checksum (resilient.checksum.ALGORITHMS)."""
 
     @property
     def total_bytes(self) -> int:
@@ -57,7 +65,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = asdict(self)
-        d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        d["files"] = {
+            k: {"size": v.size, self.checksum: v.checksum} for k, v in sorted(self.files.items())
+        }
         return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -68,14 +78,20 @@ class Manifest:
             if not isinstance(d, dict):
                 raise TypeError("not a JSON object")
             version = d.get("format_version")
-            if version != FORMAT_VERSION:
+            if version not in _READABLE:
                 raise CheckpointCorruptError(
                     f"{where}: manifest format_version {version!r} is not supported "
-                    f"(this resilient reads {FORMAT_VERSION}); "
+                    f"(this resilient reads {list(_READABLE)}); "
                     "load it with the resilient version that wrote it"
                 )
+            algorithm = str(d.get("checksum", "crc32"))
+            if algorithm not in ALGORITHMS:
+                raise CheckpointCorruptError(
+                    f"{where}: manifest checksum {algorithm!r} is not supported (this resilient "
+                    f"knows {sorted(ALGORITHMS)}); load it with the resilient version that wrote it"
+                )
             files = {
-                str(k): FileEntry(size=int(v["size"]), crc32=int(v["crc32"]))
+                str(k): FileEntry(size=int(v["size"]), checksum=int(v[algorithm]))
                 for k, v in d["files"].items()
             }
             return cls(
@@ -86,7 +102,8 @@ class Manifest:
                 resilient_version=str(d["resilient_version"]),
                 created_at=float(d["created_at"]),
                 user=dict(d.get("user", {})),
-                checksum=str(d.get("checksum", "crc32")),
+                format_version=int(version),
+                checksum=algorithm,
             )
         except CheckpointCorruptError:
             raise

@@ -22,12 +22,15 @@ ranks on other hosts could not read. `check_writable()` verifies this before tra
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import time
 import uuid
 from typing import Any
 
 from resilient.checkpoint.manager import CheckpointConfig, CheckpointInfo, CheckpointManager
+from resilient.checkpoint.manifest import Manifest
+from resilient.checkpoint.protocol import CheckpointStore
 from resilient.checkpoint.state import TrainState
 from resilient.errors import ConfigError
 from resilient.log import get_logger
@@ -38,9 +41,7 @@ LOCAL = "local"
 REMOTE = "remote"
 
 
-def open_manager(
-    config: CheckpointConfig, *, process_group: Any = None
-) -> CheckpointManager | TieredCheckpointManager:
+def open_manager(config: CheckpointConfig, *, process_group: Any = None) -> CheckpointStore:
     """A TieredCheckpointManager when `config.local_url` is set, else a CheckpointManager."""
     if config.local_url is None:
         return CheckpointManager(config, process_group=process_group)
@@ -48,7 +49,8 @@ def open_manager(
 
 
 class TieredCheckpointManager:
-    """CheckpointManager's interface over a local tier (`local_url`) and a durable one (`url`).
+    """A CheckpointStore (as CheckpointManager) over a local tier (`local_url`) and a durable
+    one (`url`).
 
     Every rank of `process_group` must make the same calls in the same order.
     """
@@ -67,6 +69,8 @@ class TieredCheckpointManager:
             process_group=process_group,
         )
         self.tiers = {LOCAL: self.local, REMOTE: self.remote}
+        self.collectives = self.remote.collectives
+        """The agreement helper of the process group both tiers share."""
         self.rank = self.remote.rank
         self.world_size = self.remote.world_size
         self._saves = 0
@@ -82,10 +86,41 @@ class TieredCheckpointManager:
     def in_flight(self) -> bool:
         return self.local.in_flight or self.remote.in_flight
 
-    def list(self) -> list[tuple[str, CheckpointInfo]]:
-        """(tier, checkpoint) over both tiers, oldest first; local first on equal steps."""
-        found = [(name, info) for name, m in self.tiers.items() for info in m.list()]
-        return sorted(found, key=lambda x: (x[1].step, x[0] != LOCAL))
+    def list(self) -> list[CheckpointInfo]:
+        """Checkpoints of both tiers (`tier` set), oldest first; local first on equal steps."""
+        found = [
+            dataclasses.replace(info, tier=name)
+            for name, m in self.tiers.items()
+            for info in m.list()
+        ]
+        return sorted(found, key=lambda i: (i.step, i.tier != LOCAL))
+
+    def candidates(self) -> builtins.list[int]:
+        """Committed steps of either tier, newest first, as rank 0 lists them."""
+        return sorted({s for m in self.tiers.values() for s in m.candidates()}, reverse=True)
+
+    def try_load(self, state: TrainState, step: int, *, started: float | None = None) -> bool:
+        """Load checkpoint `step` from the first tier that holds it and verifies (local
+        first); False when none does (each failure logged as ckpt.fallback)."""
+        for name in (LOCAL, REMOTE):
+            m = self.tiers[name]
+            if step in m.candidates() and m.try_load(state, step, started=started):
+                return True
+        return False
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of checkpoint `step`, from the local tier when it has it."""
+        for name in (LOCAL, REMOTE):
+            if step in self.tiers[name].candidates():
+                return self.tiers[name].read_manifest(step)
+        return self.remote.read_manifest(step)
+
+    def verify(self, step: int, manifest: Manifest) -> builtins.list[str]:
+        """This rank's share of the file checks of `step`, in the tier `read_manifest` read."""
+        for name in (LOCAL, REMOTE):
+            if step in self.tiers[name].candidates():
+                return self.tiers[name].verify(step, manifest)
+        return self.remote.verify(step, manifest)
 
     def check_writable(self) -> None:
         """Prove both tiers writable and the local one shared by all ranks (a collective).
@@ -102,8 +137,8 @@ class TieredCheckpointManager:
         token = f".resilient-shared-{uuid.uuid4().hex[:8]}" if self.rank == 0 else ""
         if self.rank == 0:
             storage.write_bytes_atomic(token, b"ok")
-        token = self.local._bcast(token)
-        seen = self.local._gather_all(storage.exists(token))
+        token = self.collectives.broadcast(token)
+        seen = self.collectives.gather_all(storage.exists(token))
         if self.rank == 0:
             storage.remove_file(token)
         blind = [r for r, ok in enumerate(seen) if not ok]

@@ -1,0 +1,284 @@
+"""The DCP reader of our checkpoints: restricted (no code runs) and verified in one pass.
+
+- Restricted: stock DCP 2.13 reads `.metadata` with `pickle.load` and non-tensor values with
+  `torch.load(weights_only=False)`; both run code from the checkpoint. We restrict both to
+  plain data (a restricted unpickler, `SafeLoadPlanner`), so loading an untrusted checkpoint
+  cannot execute code.
+- Verified in one pass: before DCP touches a tensor, every file of the checkpoint is checked
+  against the manifest (size and checksum) by one rank, which keeps the bytes it checked and
+  serves DCP's reads of that file from them: each verified byte is read once. A file goes to
+  the rank that reads most of it (same world size: each rank its own files), files no rank
+  reads are shared out; ranks agree on the outcome (one all-gather) before any rank copies a
+  byte into a tensor, so a checkpoint that fails anywhere leaves every rank's state
+  untouched. `.metadata` is checked by every rank before it is unpickled. Past
+  `buffer_bytes` per rank the files are checked in a streaming pass and DCP reads them again.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+from resilient.checkpoint._dcp_fs import StorageFileSystem, VerifiedBytesFileSystem
+from resilient.checkpoint._torch_compat import metadata_path, planner_store, read_location
+from resilient.checkpoint.manifest import FileEntry, Manifest
+from resilient.checksum import updater
+from resilient.errors import CheckpointCorruptError, CheckpointError
+from resilient.storage import Buffer, Storage
+
+__all__ = [
+    "SafeLoadPlanner",
+    "VerificationFailed",
+    "Verifier",
+    "make_reader",
+    "read_metadata_safely",
+]
+
+METADATA = ".metadata"
+
+
+class VerificationFailed(CheckpointCorruptError):
+    """Files of a checkpoint do not match its manifest; `problems` says which and how (the
+    same list on every rank)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+# Globals a DCP .metadata pickle may name; anything else is refused.
+_ALLOWED_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # Protocol 4 resolves a dotted name attribute by attribute, so "os.system" inside an
+        # allowed module would reach os.system: only plain names of classes defined there pass.
+        if module in _ALLOWED_MODULES and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" and name in {
+            "strided",
+            "sparse_coo",
+            "contiguous_format",
+            "preserve_format",
+            "channels_last",
+        }:
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata names a forbidden global {module}.{name}"
+        )
+
+
+def read_metadata_safely(stream: io.BufferedIOBase | Any) -> Metadata:
+    md = _RestrictedUnpickler(stream).load()
+    if not isinstance(md, Metadata):
+        raise pickle.UnpicklingError(f"checkpoint metadata is a {type(md).__name__}, not Metadata")
+    return md
+
+
+@dataclass(kw_only=True, slots=True)
+class Verifier:
+    """What a reader needs to check a checkpoint against its manifest, and to agree on it."""
+
+    storage: Storage
+    rel: str
+    """The checkpoint directory, relative to the storage root."""
+    manifest: Manifest
+    rank: int
+    world_size: int
+    gather: Callable[[Any], list[Any]]
+    """All-gather of a picklable object over the load's process group (every rank calls)."""
+    buffer_bytes: int
+    """Most bytes this rank keeps in memory to serve DCP's reads from verified bytes."""
+
+    def problem(self, name: str, want: FileEntry, size: int | None, value: int | None) -> str:
+        if size is None:
+            return f"{name}: missing (expected {want.size} bytes)"
+        if size != want.size:
+            return f"{name}: size {size} != expected {want.size} (truncated or torn)"
+        algo = self.manifest.checksum
+        return f"{name}: {algo} {value:08x} != expected {want.checksum:08x} (corrupt)"
+
+    def check_bytes(self, name: str, data: bytes | bytearray) -> str | None:
+        """The problem with `data` as the content of file `name`, None when it matches."""
+        want = self.manifest.files.get(name)
+        if want is None:
+            return f"{name}: not listed in the manifest"
+        value = updater(self.manifest.checksum)(data, 0)
+        if len(data) != want.size or value != want.checksum:
+            return self.problem(name, want, len(data), value)
+        return None
+
+    def verify_for(self, reader: FileSystemReader, plan: LoadPlan) -> dict[str, Buffer]:
+        """Check every file (this rank: its share); return the bytes it keeps for DCP.
+
+        A collective: two all-gathers, which every rank reaches whatever happens on the way.
+        Raises VerificationFailed (problems found) or CheckpointError (a rank could not read)
+        on every rank alike.
+        """
+        needs: dict[str, int] = {}
+        error: str | None = None
+        try:
+            for item in plan.items:
+                name, length = read_location(reader, item.storage_index)
+                needs[name] = needs.get(name, 0) + length
+        except Exception as e:  # reported after the agreement, never skipping a collective
+            error = f"rank {self.rank}: cannot map DCP's reads to files: {type(e).__name__}: {e}"
+        everyone: list[dict[str, int]] = self.gather(needs)
+        kept: dict[str, Buffer] = {}
+        problems: list[str] = []
+        try:
+            if error is not None:
+                raise CheckpointError(error)
+            mine = self._share(everyone)
+            keep = sum(self.manifest.files[n].size for n in mine) <= self.buffer_bytes
+            for name in mine:
+                data, problem = self._check_file(name, keep=keep)
+                if problem is not None:
+                    problems.append(problem)
+                elif data is not None:
+                    kept[name] = data
+            problems += [
+                f"{name}: read by DCP but not listed in the manifest"
+                for name in needs
+                if name not in self.manifest.files
+            ]
+        except Exception as e:  # reported on every rank below, never left half-agreed
+            error = self.storage.redact(f"rank {self.rank}: {type(e).__name__}: {e}")
+        outcomes: list[tuple[list[str], str | None]] = self.gather((problems, error))
+        found = sorted({p for ps, _ in outcomes for p in ps})
+        if found:
+            raise VerificationFailed(found)
+        errors = [err for _, err in outcomes if err]
+        if errors:
+            raise CheckpointError("could not verify the checkpoint: " + "; ".join(errors))
+        return kept
+
+    def _share(self, everyone: list[dict[str, int]]) -> list[str]:
+        """The files this rank checks: those it reads most of, and its turn of the rest."""
+        mine = []
+        names = sorted(n for n in self.manifest.files if n != METADATA)
+        for i, name in enumerate(names):
+            reads = [needs.get(name, 0) for needs in everyone]
+            owner = max(range(len(reads)), key=lambda r: (reads[r], -r))
+            if reads[owner] == 0:
+                owner = i % len(reads)
+            if owner == self.rank:
+                mine.append(name)
+        return mine
+
+    def _check_file(self, name: str, *, keep: bool) -> tuple[Buffer | None, str | None]:
+        want = self.manifest.files[name]
+        rel = f"{self.rel}/{name}"
+        try:
+            size = self.storage.size(rel)
+        except FileNotFoundError:
+            return None, self.problem(name, want, None, None)
+        if size != want.size:
+            return None, self.problem(name, want, size, None)
+        if keep:
+            data, value = self.storage.fetch(rel, size=size, algorithm=self.manifest.checksum)
+        else:
+            data = None
+            value, size = self.storage.checksum(rel, size=size, algorithm=self.manifest.checksum)
+        if size != want.size or value != want.checksum:
+            return None, self.problem(name, want, size, value)
+        return data, None
+
+
+class _SafeReader(FileSystemReader):
+    """Reads `.metadata` with a restricted unpickler and, with a Verifier, checks every file
+    against the manifest before DCP reads it, from the same bytes."""
+
+    verifier: Verifier | None = None
+    fs: Any
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self._metadata_bytes: dict[str, bytes] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = metadata_path(self, kwargs.get("rank"))
+        # The manager reads it (to check the model fits) before dcp.load reads it again: the
+        # second read comes from the bytes of the first (one request fewer per rank on S3).
+        data = self._metadata_bytes.get(str(path))
+        if data is None:
+            with self.fs.create_stream(path, "rb") as f:
+                data = f.read()
+            self._metadata_bytes[str(path)] = data
+        if self.verifier is not None:
+            problem = self.verifier.check_bytes(METADATA, data)
+            if problem is not None:
+                raise VerificationFailed([problem])
+        try:
+            md = read_metadata_safely(io.BytesIO(data))
+        except (pickle.UnpicklingError, EOFError) as e:
+            raise CheckpointCorruptError(f"{path}: refused to load ({e})") from e
+        meta = getattr(md, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        md.storage_meta = meta
+        return md
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        if self.verifier is None:
+            return super().read_data(plan, planner)
+        fs = self.fs
+        assert isinstance(fs, VerifiedBytesFileSystem)
+        fs.verified = dict(self.verifier.verify_for(self, plan))
+        try:
+            return super().read_data(plan, planner)
+        finally:
+            fs.verified = {}
+
+
+def make_reader(storage: Storage, rel: str, *, verifier: Verifier | None = None) -> Any:
+    """A DCP storage reader for directory `rel` of `storage` that cannot execute pickled code;
+    with a `verifier`, one that checks every file against the manifest as it reads (a
+    collective inside dcp.load: every rank of the load must pass one)."""
+    if storage.is_local:
+        reader = _SafeReader(storage.path(rel))
+    else:
+        reader = _SafeReader(rel)
+        reader.path = rel
+        reader.fs = StorageFileSystem(storage)
+    if verifier is not None:
+        reader.verifier = verifier
+        reader.fs = VerifiedBytesFileSystem(reader.fs)
+    return reader
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor values with `weights_only=True`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        planner_store(self, read_item.dest_index.fqn, torch.load(value, weights_only=True))

@@ -1,0 +1,23 @@
+"""Checkpoint storage on any fsspec URL, one module per concept.
+
+- `core`: Storage, a checkpoint root and its calls (knows nothing about torch);
+- `backends`: the Backend protocol, what differs per filesystem (S3's is resilient._s3);
+- `retry`: RetryPolicy, the one tenacity policy every call goes through;
+- `classify`: which errors are worth another attempt;
+- `redact`: credentials never shown.
+"""
+
+from resilient.storage.backends import Backend, FsspecBackend
+from resilient.storage.classify import is_retryable
+from resilient.storage.core import Buffer, Storage, fsync_dir
+from resilient.storage.retry import RetryPolicy
+
+__all__ = [
+    "Backend",
+    "Buffer",
+    "FsspecBackend",
+    "RetryPolicy",
+    "Storage",
+    "fsync_dir",
+    "is_retryable",
+]

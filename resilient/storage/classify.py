@@ -1,0 +1,87 @@
+"""Which storage errors are worth another attempt: the one classification every retry uses.
+
+Transient: timeouts, connection resets, 5xx and throttling (S3 codes, HTTP statuses, errno
+values, and the exception names of the layers below botocore). Never: missing things (404,
+NoSuchBucket), refused credentials or permissions (403), a full or read-only disk.
+"""
+
+from __future__ import annotations
+
+import errno
+
+from resilient import _s3
+
+__all__ = ["is_retryable"]
+
+# errno values worth retrying on a local or network filesystem; ENOSPC, EACCES, EROFS are not.
+# EBUSY and EREMOTEIO are what s3fs turns S3's 503 SlowDown and 500 InternalError into.
+_RETRYABLE_ERRNO = {
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.EIO,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.EBUSY,
+    getattr(errno, "EREMOTEIO", errno.EIO),
+}
+# S3 (and S3-compatible) error codes that a later attempt may not see.
+_RETRYABLE_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "BandwidthLimitExceeded",
+    "OperationAborted",
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
+}
+_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+# Errors raised below botocore's translation (aiohttp, urllib3, s3fs), named to avoid imports.
+_RETRYABLE_NAMES = {
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "IncompleteRead",
+    "ResponseParserError",
+    "FSTimeoutError",
+}
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for errors that a later attempt may not see: timeouts, resets, 5xx and throttling.
+
+    Never for missing things (NoSuchBucket, 404), refused credentials or permissions (403).
+    """
+    code, status = _s3.error_code(exc)
+    if code is not None or status is not None:
+        return code in _RETRYABLE_CODES or status in _RETRYABLE_STATUS
+    if _s3.is_connection_error(exc):
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+        return False
+    if type(exc).__name__ in _RETRYABLE_NAMES:
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    if any(
+        s in text
+        for s in (
+            "SlowDown",
+            "Throttl",
+            "ServiceUnavailable",
+            "InternalError",
+            "RequestTimeout",
+            "503",
+            "500 ",
+            "502",
+            "504",
+        )
+    ):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _RETRYABLE_ERRNO

@@ -1,0 +1,385 @@
+"""Storage: a checkpoint root on any fsspec URL, every call under one retry policy.
+
+A local directory by default, s3:// through s3fs. Knows nothing about torch. Every call that
+touches storage goes through `RetryPolicy` (resilient.storage.retry), so transient errors are
+retried with backoff inside a bounded time budget and permanent ones fail at once. What
+differs per system goes through its Backend (resilient.storage.backends); for S3 the retry
+loops of botocore and s3fs are reduced to a single attempt (resilient/_s3.py), so this policy
+is the only one and its budget holds.
+
+Remote files are written and read in parts (resilient/_transfer.py): each part is one retried
+call, several run at a time, and a file appears only once its upload completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import posixpath
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import fsspec
+
+from resilient import _s3
+from resilient._transfer import BlockReader, UploadStream
+from resilient.checksum import DEFAULT, checksum_of, updater
+from resilient.errors import ConfigError, StorageError
+from resilient.storage.backends import backend_for, is_local, is_object_store
+from resilient.storage.redact import hide_userinfo, redact
+from resilient.storage.retry import RetryPolicy
+
+__all__ = ["Buffer", "Storage", "fsync_dir"]
+
+T = TypeVar("T")
+Buffer = bytes | bytearray | mmap.mmap
+"""Bytes in memory or mapped from a file."""
+_PART = 16 << 20
+"""Part size of uploads and block size of reads unless storage_options set
+`default_block_size` (s3fs's own default, 50 MiB, holds 500 MiB per file in flight and starts
+uploading late; 16 MiB measured as fast, see docs/benchmarks.md)."""
+
+
+class Storage:
+    """A checkpoint root on an fsspec filesystem; paths given to methods are relative to it.
+
+    Remote options (endpoint, region, credentials) come from the usual places (AWS_* variables,
+    ~/.aws/config and credentials, AWS_PROFILE) or from `storage_options`, which win. For S3,
+    `max_concurrency` (parts in flight per file, default 10) and `default_block_size` (part
+    and read block size, default 16 MiB here) are s3fs's own options and tune transfers too;
+    a file being written or read holds about (max_concurrency + 2) x default_block_size.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        raw = os.fspath(url)
+        if not raw:
+            raise ConfigError("checkpoint location is empty: give a directory or an fsspec URL")
+        self.url = hide_userinfo(raw)  # never show user:password@ from a URL
+        self.retry = retry or RetryPolicy()
+        self.backend = backend_for(raw)
+        options = self.backend.prepare_options(dict(storage_options or {}))
+        self._secrets = tuple(self.backend.secrets(options))
+        try:
+            self.fs, root = fsspec.core.url_to_fs(raw, **options)
+        except (ImportError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"cannot open checkpoint location {self.url!r}: {self.redact(str(e))}"
+            ) from e
+        self.backend.tune(self.fs)
+        self.root = root.rstrip("/") or "/"
+        self.is_local = is_local(self.fs)
+        """Files on this machine: DCP writes them itself, and loads map them."""
+        self.is_object_store = is_object_store(self.fs)
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+        self.part_size = max(int(options.get("default_block_size") or _PART), 5 << 20)
+        self.concurrency = max(1, int(getattr(self.fs, "max_concurrency", 10) or 10))
+        self._deadline: float | None = None
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # ------------------------------------------------------------------ paths and policy
+    def path(self, *parts: str) -> str:
+        """The absolute path (no protocol) of `parts` below the root."""
+        return posixpath.join(self.root, *parts) if parts else self.root
+
+    def url_of(self, *parts: str) -> str:
+        """`parts` below the root as a URL with its protocol (s3://bucket/...)."""
+        return str(self.fs.unstrip_protocol(self.path(*parts)))
+
+    def redact(self, text: str) -> str:
+        """`text` without any credential this storage knows of (environment or options)."""
+        return redact(text, self._secrets)
+
+    @contextlib.contextmanager
+    def budget(self, seconds: float | None) -> Iterator[None]:
+        """Calls inside stop retrying `seconds` from now (None: no deadline).
+
+        Applies to every thread that uses this Storage meanwhile (DCP's writer threads, the
+        upload pools): one save at a time per Storage, as the checkpoint manager does.
+        """
+        previous = self._deadline
+        self._deadline = None if seconds is None else self.retry.clock() + seconds
+        try:
+            yield
+        finally:
+            self._deadline = previous
+
+    def call(self, what: str, fn: Callable[[], T], *, cleanup: bool = False) -> T:
+        """`fn` under the retry policy. A `cleanup` call (aborting an upload after a failure)
+        is retried past the save's deadline: it keeps a failed save from leaving garbage."""
+        deadline = None if cleanup else self._deadline
+        return self.retry.call(f"{what} at {self.url}", fn, deadline=deadline, redact=self.redact)
+
+    # ------------------------------------------------------------------ small calls
+    def exists(self, rel: str) -> bool:
+        return self.call(f"exists {rel}", lambda: self.fs.exists(self.path(rel)))
+
+    def is_file(self, rel: str) -> bool:
+        """Whether file `rel` exists (one HEAD on S3; `exists` also looks for a directory)."""
+        return self.call(f"exists {rel}", lambda: self.backend.is_file(self, self.path(rel)))
+
+    def list_dirs(self) -> list[str]:
+        """Names of the directories directly under the root ([] when the root does not exist)."""
+
+        def ls() -> list[str]:
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError as e:
+                if _s3.error_code(e)[0] == "NoSuchBucket":  # an absent prefix is fine
+                    raise self.error(e, "cannot be listed") from e
+                return []
+            return [
+                posixpath.basename(e["name"].rstrip("/"))
+                for e in entries
+                if e.get("type") == "directory"
+            ]
+
+        return self.call("list", ls)
+
+    def list_sizes(self, rel: str, *, missing_ok: bool = False) -> dict[str, int]:
+        """{file name: size} of the files directly inside directory `rel`, in one listing.
+
+        Raises FileNotFoundError when `rel` does not exist, unless `missing_ok` ({} then).
+        """
+
+        def ls() -> list[dict[str, Any]]:
+            try:
+                return list(self.fs.ls(self.path(rel), detail=True))
+            except FileNotFoundError:
+                if missing_ok:
+                    return []
+                raise
+
+        entries = self.call(f"list {rel}", ls)
+        return {
+            posixpath.basename(e["name"]): int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    def list_files(self, rel: str) -> list[str]:
+        """File names directly inside directory `rel`."""
+        return list(self.list_sizes(rel))
+
+    def size(self, rel: str) -> int:
+        return int(self.call(f"size {rel}", lambda: self.fs.size(self.path(rel))))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.call(f"read {rel}", lambda: self.fs.cat_file(self.path(rel)))
+
+    def makedirs(self, rel: str = "") -> None:
+        """Create directory `rel`; nothing on object stores, which have no directories (and
+        where s3fs would otherwise create a missing bucket)."""
+        if self.is_object_store:
+            return
+        self.call(f"mkdir {rel}", lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
+
+    def remove_tree(self, rel: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.path(rel), recursive=True)
+
+        self.call(f"remove {rel}", run)
+
+    def remove_file(self, rel: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(rel))
+
+        self.call(f"remove {rel}", run)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move file `src` to `dst`. On object stores a copy then a delete: not atomic, so
+        nothing may rely on it for a commit. Safe to retry after a partial success. On S3 a
+        single CopyObject: files up to 5 GB (DCP's .metadata is what moves)."""
+        s, d = self.path(src), self.path(dst)
+
+        def run() -> None:
+            try:
+                self.backend.copy(self, s, d)
+            except FileNotFoundError:
+                if not self.fs.exists(d):
+                    raise
+                return  # an earlier attempt moved it and lost the reply
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(s)
+
+        self.call(f"move {src} -> {dst}", run)
+
+    # ------------------------------------------------------------------ whole files
+    def checksum(
+        self, rel: str, *, size: int | None = None, algorithm: str = DEFAULT
+    ) -> tuple[int, int]:
+        """(checksum, size) of a stored file, read back from storage (`size`: if known)."""
+        if not self.is_local:
+            with self.open_read(rel, size=size) as f:
+                return checksum_of(f, algorithm)
+
+        def run() -> tuple[int, int]:
+            with self.fs.open(self.path(rel), "rb") as f:
+                return checksum_of(f, algorithm)
+
+        return self.call(f"checksum {rel}", run)
+
+    def fetch(self, rel: str, *, size: int, algorithm: str = DEFAULT) -> tuple[Buffer, int]:
+        """(content, checksum) of file `rel` of `size` bytes, read once.
+
+        Locally a read-only memory map: the bytes stay in the page cache, with no copy into
+        the process, and whoever reads the content next reads those pages. Remotely in parts
+        of `part_size`, `concurrency` at a time, each one retried call, into memory; the
+        checksum runs over each part in order as it arrives. OSError when the file holds
+        fewer bytes than `size` (changed or truncated while being read)."""
+        update = updater(algorithm)
+        if self.is_local:
+
+            def run() -> Buffer:
+                with open(self.path(rel), "rb") as f:
+                    found = os.fstat(f.fileno()).st_size
+                    if found != size:
+                        raise OSError(f"{self.url_of(rel)}: holds {found} bytes, expected {size}")
+                    if size == 0:
+                        return b""
+                    # A file truncated by someone else while mapped would fault (SIGBUS) on
+                    # access: checkpoint files are never rewritten in place once committed,
+                    # and the size was checked just now.
+                    return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+            data = self.call(f"read {rel}", run)
+            return data, update(data, 0)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        path = self.path(rel)
+        spans = [(s, min(size, s + self.part_size)) for s in range(0, size, self.part_size)]
+
+        def part(start: int, end: int) -> None:
+            data = self.call(
+                f"read {rel} [{start}:{end}]",
+                lambda: self.fs.cat_file(path, start=start, end=end),
+            )
+            if len(data) != end - start:
+                raise OSError(
+                    f"{self.url_of(rel)}: read {len(data)} bytes at offset {start}, expected "
+                    f"{end - start} (the object changed or was truncated while being read)"
+                )
+            view[start:end] = data
+
+        value = 0
+        with ThreadPoolExecutor(
+            max_workers=self.concurrency, thread_name_prefix="resilient-read"
+        ) as pool:
+            futures = [pool.submit(part, s, e) for s, e in spans]
+            try:
+                for (s, e), fut in zip(spans, futures, strict=True):
+                    fut.result()
+                    value = update(view[s:e], value)
+            finally:
+                for fut in futures:
+                    fut.cancel()
+        return buf, value
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
+        """Make `data` visible at `rel` at once: tmp+fsync+rename locally, one PUT remotely."""
+        target = self.path(rel)
+        if not self.is_local:
+            self.call(f"put {rel}", lambda: self.fs.pipe_file(target, data))
+            return
+
+        def run() -> None:
+            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            fsync_dir(os.path.dirname(target))
+
+        self.call(f"write {rel}", run)
+
+    def open_write(self, rel: str) -> UploadStream:
+        """A stream that uploads file `rel` in parts; it appears at `close()`, never before.
+
+        Remote only (local files are written by DCP itself). Call `abort()` on failure.
+        """
+        return UploadStream(
+            self.backend.sink(self, rel),
+            part_size=self.part_size,
+            concurrency=self.concurrency,
+            name=self.url_of(rel),
+        )
+
+    def open_read(self, rel: str, *, size: int | None = None) -> io.BufferedReader:
+        """A seekable reader of remote file `rel`: ranged reads in blocks, each retried."""
+        path = self.path(rel)
+        if size is None:
+            size = self.size(rel)
+
+        def fetch(start: int, end: int) -> bytes:
+            return self.call(
+                f"read {rel} [{start}:{end}]",
+                lambda: self.fs.cat_file(path, start=start, end=end),
+            )
+
+        raw = BlockReader(
+            fetch,
+            size,
+            block_size=self.part_size,
+            concurrency=self.concurrency,
+            name=self.url_of(rel),
+        )
+        return io.BufferedReader(raw, buffer_size=1 << 20)
+
+    # ------------------------------------------------------------------ start-up check
+    def check_writable(self) -> None:
+        """Prove the root writable, listable and deletable; raise StorageError naming the fix.
+
+        Creates the root if needed (never a bucket). Waits at most the retry budget.
+        """
+        probe = f".resilient-probe-{uuid.uuid4().hex[:8]}"
+        try:
+            self.makedirs()
+            self.call("probe write", lambda: self.fs.pipe_file(self.path(probe), b"ok"))
+            self.call("probe list", lambda: self.fs.ls(self.root, detail=False))
+            self.call("probe delete", lambda: self.fs.rm_file(self.path(probe)))
+        except Exception as e:  # any failure here is a configuration problem: say which
+            raise self.error(e, "is not writable") from e
+
+    def error(self, exc: BaseException, what: str) -> StorageError:
+        """A StorageError saying that this location `what`, why, and how to fix it."""
+        hint = self.explain(exc) or (
+            "Create it with write permission for this user, or point checkpoint_dir at a "
+            "writable location."
+        )
+        return StorageError(
+            self.redact(f"checkpoint location {self.url!r} {what} ({type(exc).__name__}: {exc}). ")
+            + hint
+        )
+
+    def explain(self, exc: BaseException) -> str | None:
+        """How to fix the configuration problem behind `exc` (a missing bucket, refused
+        credentials, an unreachable endpoint, ...); None when it is not one we recognise."""
+        return self.backend.explain(self, exc)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so a rename inside it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
