@@ -38,6 +38,7 @@ from chaos.netns import Hosts, netns_unavailable
 from chaos.procs import REPO, Run, alive, descendants, events, latest_event, wait_for
 from chaos.scenario import IN_PROCESS, PREEMPTIONS, Fault, Scenario
 from chaos.storage import LoopbackS3, SmallDisk, small_disk_unavailable
+from resilient.events import read_events
 from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.heartbeat import ENV_WATCHDOG
 from resilient.runtime.preempt import ENV_PREEMPT
@@ -261,14 +262,7 @@ def _damage(kind: str, fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> str:
 
 
 def _chaos_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "logs" / "chaos.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+    return read_events(run_dir / "logs" / "chaos.jsonl")
 
 
 @dataclass(slots=True)

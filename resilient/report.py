@@ -35,44 +35,30 @@ start-up and end out of the measured wall time instead (the two ratios are close
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from resilient import events as ev
 
 __all__ = ["FaultReport", "RunReport", "analyze", "format_report", "plot_timeline", "young_daly"]
 
 _NEAR_S = 10.0
 """Clean windows of the same attempt within this many seconds are a save window's reference."""
-_DETECTION = (
-    "hang.detected",
-    "fault.detected",
-    "watchdog.exit",
-    "guard.failure",
-    "worker.failed",
-    "preempt.forward",  # the supervisor passed a preemption signal on
-    "preempt.stop",  # the ranks agreed to stop for one
-)
-
-
-def _ts(e: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
+_DETECTION = ev.DETECTION
 
 
 def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every event of the run, each with a float `t` (epoch seconds), in time order."""
     out = []
-    for path in sorted(Path(run_dir, "logs").glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                e = json.loads(line)
-                e["t"] = _ts(e)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill
-            out.append(e)
+    for e in ev.iter_events(Path(run_dir, "logs")):
+        try:
+            e["t"] = ev.timestamp(e)
+        except (ValueError, KeyError, TypeError):
+            continue  # no time: not ours
+        out.append(e)
     out.sort(key=lambda e: e["t"])
     _number_attempts_across_launches(out)
     return out

@@ -7,7 +7,6 @@ launcher; every launch has a timeout, and the session kills whatever is still al
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -18,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from chaos.procs import kill_tree
 from resilient import log
+from resilient.events import read_events
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -144,14 +143,6 @@ def _script(script: str | Path) -> Path:
     return p if p.is_absolute() else WORKERS / p
 
 
-def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """JSON-lines events of one rank's log file, optionally only those named `event`."""
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if event is None or r.get("event") == event]
-
-
 @pytest.fixture
 def events(tmp_path: Path) -> Iterator[Callable[[str | None], list[dict[str, Any]]]]:
     """Route resilient's events to a JSON log under tmp_path; returns `read(event=None)`."""
@@ -161,7 +152,6 @@ def events(tmp_path: Path) -> Iterator[Callable[[str | None], list[dict[str, Any
         rank=0,
         restart=0,
         console_level="CRITICAL",
-        respect_existing=False,
     )
     assert path is not None
 
@@ -169,5 +159,4 @@ def events(tmp_path: Path) -> Iterator[Callable[[str | None], list[dict[str, Any
         return read_events(path, event)
 
     yield read
-    log.configure(run_dir=None, run_id="test", rank=0, restart=0, respect_existing=False)
-    structlog.reset_defaults()
+    log.configure(run_dir=None, run_id="test", rank=0, restart=0)

@@ -7,7 +7,6 @@ to <record>/rank<R>.jsonl.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any
 from conftest import REPO_ROOT, WORKERS
 
 from chaos.procs import kill_tree as _kill_tree
+from resilient.events import read_events
 
 WORKER = WORKERS / "supervised_train.py"
 
@@ -62,21 +62,11 @@ def kill_tree(proc: subprocess.Popen[bytes], pids: tuple[int, ...] = ()) -> None
 
 
 def records(record_dir: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for path in sorted(record_dir.glob("rank*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
+    return read_events(record_dir, pattern="rank*.jsonl")
 
 
 def events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for path in sorted((run_dir / "logs").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if name is None or rec.get("event") == name:
-                    out.append(rec)
-    return out
+    return read_events(run_dir, name)
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch import nn
 from resilient import log
 from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
-from resilient.errors import ConfigError
+from resilient.errors import CheckpointError, ConfigError
 from resilient.runtime._ddp import ddp_modules, pin_buckets
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
@@ -30,7 +30,7 @@ from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
-from resilient.runtime.preempt import PreemptConfig, PreemptionWatch, coordinated_stop
+from resilient.runtime.preempt import PreemptConfig, Preempted, PreemptionWatch
 from resilient.runtime.progress import ProgressLog
 from resilient.runtime.watchdog import Watchdog, exit_now
 
@@ -385,7 +385,70 @@ class Runtime:
                 exit_now(ExitCode.PEER_LOST, kind="preempt_group_lost", error=str(e)[:300])
             self.guards.fail_fast(e)
         if stop:
-            coordinated_stop(self, resumed_at=resumed_at)
+            self._stop_preempted(resumed_at)
+
+    def _stop_preempted(self, resumed_at: int) -> NoReturn:
+        """Every rank agreed to stop before the next step: finish or make the final save within
+        the grace period, leave the process groups, raise Preempted (exit ExitCode.PREEMPTED).
+        `resumed_at` is the step this attempt started from: with no step done since, there is
+        nothing new to save."""
+        watch, log, step, mgr = self.preemption, self.log, self.step, self.checkpoints
+        log.warning(
+            "preempt.stop",
+            step=step,
+            signal=watch.signal_name,
+            signalled_here=watch.requested,
+            since_signal_s=watch.since_signal_s(),
+            remaining_s=round(watch.remaining_s(), 3),
+        )
+        try:
+            with self.watchdog.phase(Phase.CHECKPOINT):
+                t0 = time.monotonic()
+                if mgr.wait() is not None:  # the async save in flight: finish and commit it
+                    log.info(
+                        "preempt.flushed",
+                        step=mgr.last_committed,
+                        wait_s=round(time.monotonic() - t0, 4),
+                    )
+                if step not in (mgr.last_committed, resumed_at):
+                    fits, estimate, left = watch.budget(watch.save_estimate_s)
+                    if fits:
+                        t1 = time.monotonic()
+                        self.save(blocking=True)
+                        if mgr.last_committed == step:
+                            log.warning(
+                                "preempt.committed",
+                                step=step,
+                                save_s=round(time.monotonic() - t1, 4),
+                                since_signal_s=watch.since_signal_s(),
+                            )
+                    else:
+                        log.error(
+                            "preempt.skip_save",
+                            step=step,
+                            estimate_s=round(estimate, 3),
+                            remaining_s=round(left, 3),
+                            newest_valid=mgr.last_committed,
+                        )
+        except CheckpointError as e:  # the previous checkpoint stays the newest valid one
+            log.error(
+                "preempt.save_failed",
+                step=step,
+                error=str(e)[:500],
+                newest_valid=mgr.last_committed,
+            )
+        committed = mgr.last_committed
+        self.close()
+        log.warning(
+            "preempt.exit",
+            step=step,
+            committed=committed,
+            code=int(ExitCode.PREEMPTED),
+            since_signal_s=watch.since_signal_s(),
+            agree_checks=watch.checks,
+            agree_mean_us=round(1e6 * watch.check_s / watch.checks, 1) if watch.checks else None,
+        )
+        raise Preempted(step=step, committed=committed)
 
     @property
     def grad_accum(self) -> int:
