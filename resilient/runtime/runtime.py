@@ -40,6 +40,7 @@ __all__ = [
     "ENV_CHECKPOINT_DIR",
     "ENV_FINAL_DIGEST",
     "ENV_RUN_DIR",
+    "ENV_SCRATCH",
     "ENV_STOP_AT",
     "Runtime",
     "RuntimeConfig",
@@ -54,6 +55,9 @@ ENV_RUN_DIR = "RESILIENT_RUN_DIR"
 # committed checkpoint, and log the final state's digest (a collective) as `runtime.digest`.
 ENV_STOP_AT = "RESILIENT_STOP_AT"
 ENV_FINAL_DIGEST = "RESILIENT_FINAL_DIGEST"
+ENV_SCRATCH = "RESILIENT_CHECK_SCRATCH"
+"""Set by `resilient check-resume`: checkpoints and logs go under this directory whatever the
+script passes to init(), so checking never touches the script's own checkpoints."""
 
 _KEEP: Any = object()
 """A save policy argument not given: keep init()'s."""
@@ -136,6 +140,10 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
         if checkpoint_dir is not None
         else (os.environ.get(ENV_CHECKPOINT_DIR) or "checkpoints")
     )
+    scratch = os.environ.get(ENV_SCRATCH)
+    if scratch:  # resilient check-resume: never the script's own locations
+        url, options["run_dir"] = os.path.join(scratch, "ckpt"), os.path.join(scratch, "run")
+        options.pop("local_url", None)
     ckpt = CheckpointConfig(url=url, **{k: v for k, v in options.items() if k in _CKPT_FIELDS})
     if isinstance(options.get("watchdog"), dict):
         options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
