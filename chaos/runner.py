@@ -36,6 +36,7 @@ import fsspec
 
 from chaos.netns import Hosts, netns_unavailable
 from chaos.procs import REPO, Run, alive, descendants, events, latest_event, wait_for
+from chaos.replay_check import check_replay
 from chaos.scenario import IN_PROCESS, PREEMPTIONS, Fault, Scenario
 from chaos.storage import LoopbackS3, SmallDisk, small_disk_unavailable
 from resilient.events import read_events
@@ -694,6 +695,9 @@ def _check(
                 f"c: step {st} was damaged and the restart loaded {first[1]}, but no fallback "
                 "was logged"
             )
+    # f. replayed steps equal the steps they replay (chaos/replay_check.py)
+    checks["f_replay"], replay_failures = check_replay(run_dir)
+    failures += replay_failures
     # d. within the time bound
     bound_s = time_bound_s(sc, float(gold["wall_s"]))
     checks["d_time"] = f"{wall:.1f} s (bound {bound_s:.0f} s)"

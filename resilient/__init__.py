@@ -14,7 +14,7 @@ from resilient.errors import (
     ResilientError,
     StorageError,
 )
-from resilient.runtime import ExitCode, Runtime, RuntimeConfig, WatchdogConfig, init
+from resilient.runtime import ExitCode, Runtime, RuntimeConfig, WatchdogConfig, current, init
 
 __all__ = [
     "CheckpointConfig",
@@ -31,6 +31,7 @@ __all__ = [
     "TrainState",
     "WatchdogConfig",
     "__version__",
+    "current",
     "init",
     "state_digest",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "ENV_STOP_AT",
     "Runtime",
     "RuntimeConfig",
+    "current",
     "init",
 ]
 
@@ -155,6 +156,18 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
     return Runtime(cfg)
 
 
+_current: Runtime | None = None
+
+
+def current() -> Runtime:
+    """The Runtime that init() returned in this process (for code that cannot be handed it,
+    e.g. a Trainer class built after init()). Raises RuntimeError before init() or after
+    close()."""
+    if _current is None:
+        raise RuntimeError("no resilient Runtime in this process: call resilient.init() first")
+    return _current
+
+
 def _at_least_warning(level: str) -> str:
     order = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     return order[max(order.index(level.upper()), 2)]
@@ -220,6 +233,8 @@ class Runtime:
         self._every_steps = config.save_every_steps
         self._every_seconds = config.save_every_seconds
         self._epoch_loop: _EpochLoop | None = None
+        global _current
+        _current = self
         self.log.info(
             ev.RUNTIME_INIT,
             world_size=self.ctx.world_size,
@@ -636,6 +651,9 @@ class Runtime:
 
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""
+        global _current
+        if _current is self:
+            _current = None
         with self.watchdog.phase(Phase.FINISH):
             self.checkpoints.close()
         for h in self._hooks:
