@@ -28,7 +28,8 @@ from pathlib import Path
 
 from resilient import events as ev
 from resilient.replay import CAUSES, compare, fingerprints
-from resilient.runtime.runtime import ENV_FINAL_DIGEST, ENV_SCRATCH, ENV_STOP_AT
+from resilient.runtime.loops import ENV_FINAL_DIGEST, ENV_STOP_AT
+from resilient.runtime.runtime import ENV_SCRATCH
 
 __all__ = ["main"]
 

@@ -21,8 +21,8 @@ import pytest
 from chaos.procs import REPO, Run, torchrun_cmd, wait_for
 from resilient import events as ev
 from resilient.runtime.heartbeat import ENV_WATCHDOG
+from resilient.runtime.loops import ENV_FINAL_DIGEST
 from resilient.runtime.preempt import ENV_PREEMPT
-from resilient.runtime.runtime import ENV_FINAL_DIGEST
 
 WORKERS = REPO / "tests" / "workers"
 TUTORIAL = WORKERS / "tutorial_ddp.py"

@@ -46,7 +46,7 @@ class StepFingerprints:
         self._meta = 0
         self._loss: Any = None
         self._pending: list[tuple[int, Any, int, Any, Any]] = []  # step, hash, meta, loss, event
-        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._weights: dict[tuple[int, torch.device, bool], torch.Tensor] = {}
         self.check: ReplayCheck | None = None
 
     def attach(self, model: nn.Module) -> Any:
@@ -119,16 +119,19 @@ class StepFingerprints:
             flat = flat.view(torch.uint8)
         elif flat.is_floating_point():
             flat = flat.view(_INT_OF_SIZE[flat.element_size()])
-        return (flat.to(torch.int64) * self._weight(flat.numel(), flat.device)).sum()
+        # narrow values multiply in int32 (wrapping), no widening copy; the sum is int64
+        wide = flat.element_size() > 4
+        return (flat * self._weight(flat.numel(), flat.device, wide)).sum(dtype=torch.int64)
 
-    def _weight(self, n: int, device: torch.device) -> torch.Tensor:
-        key = (n, device)
+    def _weight(self, n: int, device: torch.device, wide: bool) -> torch.Tensor:
+        key = (n, device, wide)
         w = self._weights.get(key)
         if w is None:
             if len(self._weights) > 8:  # last batches of epochs, eval sizes: keep a few
                 self._weights.clear()
             # odd multipliers that differ per position: a reordered batch hashes differently
             w = torch.arange(n, dtype=torch.int64, device=device) * 0x9E3779B1 * 2 + 1
+            w = w if wide else w.to(torch.int32)  # wraps to 32 bits, still odd
             self._weights[key] = w
         return w
 
