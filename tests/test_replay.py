@@ -201,3 +201,21 @@ def test_check_resume_passes_on_the_ddp_recipe(tmp_path: Path) -> None:
     assert rc == 0, out[-3000:]
     assert "PASS: resumed at step 4 of 8: 8 step fingerprint(s) on 2 rank(s)" in out
     assert not mine.exists()
+
+
+def test_check_resume_splits_its_flags_torchrun_flags_and_the_script(tmp_path: Path) -> None:
+    from resilient.check_resume import _parse, _torchrun, main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = _parse(["--steps", "8", "--nproc-per-node", "2", str(script), "--lr", "3"])
+    assert (args.steps, args.torchrun, args.script) == (
+        8,
+        ["--nproc-per-node", "2"],
+        [str(script), "--lr", "3"],
+    )
+    assert "--standalone" in _torchrun(args)
+    assert "--standalone" not in _torchrun(_parse(["--rdzv-endpoint=h:1", str(script)]))
+    assert main(["--steps", "1", str(script)]) == 2  # fewer than 2 steps cannot be halved
+    assert main(["--nproc-per-node", "2"]) == 2  # no script
+    assert main([str(tmp_path / "missing.py")]) == 2

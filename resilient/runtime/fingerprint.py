@@ -105,6 +105,8 @@ class StepFingerprints:
             self._pending.pop(0)
             inputs = None if h is None else f"{(_int(h) + meta) & _MASK:016x}"
             lval = None if loss is None else float(loss)
+            if inputs is None and lval is None:
+                continue  # no tracked model ran and no loss was handed over: nothing to say
             self._log.debug(  # the JSON log keeps it; the console shows it at DEBUG
                 ev.STEP_FINGERPRINT, step=step, inputs=inputs, loss=lval, world=self._world
             )

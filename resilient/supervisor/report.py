@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient.events import EventTail
+from resilient.events import STEP_FINGERPRINT, EventTail
 from resilient.runtime.exitcodes import ExitCode, describe
 
 __all__ = [
@@ -50,7 +50,8 @@ class EventLogs:
 
     def refresh(self) -> list[dict[str, Any]]:
         """Read what the ranks appended since the last call; returns the new records."""
-        new = self._tail.read_new()
+        # one fingerprint per step and rank would grow without bound here; none is needed
+        new = [r for r in self._tail.read_new() if r.get("event") != STEP_FINGERPRINT]
         self.records += new
         return new
 
