@@ -178,7 +178,11 @@ def check(args: _Args, work: Path) -> int:
     d_straight = _digest(_last_launch(straight / "run", 0))
     d_resumed = _digest(_last_launch(resumed / "run", 0))
     if first is not None:
-        print(f"FAIL: the resumed run diverged at {first.describe()}")
+        print(
+            f"FAIL: the resumed run diverged at step {first.step} on rank {first.rank}: the "
+            f"{first.differed} differ from the straight run's ({first.before} straight, "
+            f"{first.now} resumed; resumed at step {half} of {n}):\n  {first.causes}"
+        )
         return 1
     if d_straight is None or d_resumed is None:
         print("FAIL: no final state digest was logged (does the script track a model?)")

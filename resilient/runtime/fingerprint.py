@@ -31,6 +31,7 @@ from resilient.replay import Fingerprint, compare, fingerprints
 __all__ = ["ReplayCheck", "StepFingerprints"]
 
 _MASK = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -103,7 +104,8 @@ class StepFingerprints:
                     return
                 done.synchronize()
             self._pending.pop(0)
-            inputs = None if h is None else f"{(_int(h) + meta) & _MASK:016x}"
+            # an odd multiplier mixes the bits (a bijection: nothing is lost)
+            inputs = None if h is None else f"{(_int(h) + meta) * _MIX & _MASK:016x}"
             lval = None if loss is None else float(loss)
             if inputs is None and lval is None:
                 continue  # no tracked model ran and no loss was handed over: nothing to say
