@@ -19,6 +19,7 @@ from chaos.external import Injected
 from chaos.observe import _attempt_steps, _epoch, _inits
 from chaos.plan import Planned, time_bound_s
 from chaos.procs import events
+from chaos.replay_check import check_replay
 from chaos.scenario import PREEMPTIONS, Scenario
 
 __all__ = ["_check"]
@@ -154,6 +155,9 @@ def _check(
                 f"c: step {st} was damaged and the restart loaded {first[1]}, but no fallback "
                 "was logged"
             )
+    # f. replayed steps equal the steps they replay (chaos/replay_check.py)
+    checks["f_replay"], replay_failures = check_replay(run_dir)
+    failures += replay_failures
     # d. within the time bound
     bound_s = time_bound_s(sc, float(gold["wall_s"]))
     checks["d_time"] = f"{wall:.1f} s (bound {bound_s:.0f} s)"

@@ -114,13 +114,13 @@ def _record(kind: str, rank: int, step: int, phase: str) -> None:
     sys.stderr.flush()
     from resilient import log
 
-    rank_log = getattr(log, "_configured_file", None)  # the rank's JSON log, when configured
+    rank_log = log.log_path()  # the rank's JSON log, when configured
     if rank_log is None:
         return
     ts = datetime.fromtimestamp(now, timezone.utc).isoformat().replace("+00:00", "Z")
     event = {"event": "chaos.fault", "ts": ts, "target_rank": rank, "in_process": True}
     line = json.dumps({**event, **record}) + "\n"
-    path = os.path.join(os.path.dirname(rank_log.name), "chaos.jsonl")
+    path = os.path.join(os.path.dirname(rank_log), "chaos.jsonl")
     with contextlib.suppress(OSError):  # O_APPEND: ranks may write at the same moment
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

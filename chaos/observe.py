@@ -4,14 +4,13 @@ rank's `runtime.init` events, and the harness's own records in <run_dir>/logs/ch
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from chaos.procs import events
+from resilient.events import read_events
 
 __all__ = [
     "_attempt_steps",
@@ -36,14 +35,7 @@ def _inits(run_dir: Path, rank: int) -> list[dict[str, Any]]:
 
 
 def _chaos_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "logs" / "chaos.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+    return read_events(run_dir / "logs" / "chaos.jsonl")
 
 
 _ATTEMPT_MARK = "runtime.resume"

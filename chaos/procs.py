@@ -7,7 +7,6 @@ group), and faults target PIDs read from the run's own event log.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from resilient.events import iter_events
 from resilient.proctree import alive, descendants, kill_tree
 
 __all__ = [
@@ -128,17 +128,7 @@ class Run:
 
 def events(run_dir: Path, rank: int | None = None) -> Iterator[dict[str, Any]]:
     """Events from <run_dir>/logs/rank*.jsonl (a partial last line is skipped)."""
-    logs = (
-        sorted((run_dir / "logs").glob("rank*.jsonl"))
-        if rank is None
-        else [run_dir / "logs" / f"rank{rank}.jsonl"]
-    )
-    for path in logs:
-        if not path.exists():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                yield json.loads(line)
+    return iter_events(run_dir / "logs", rank=rank, pattern="rank*.jsonl")
 
 
 def latest_event(

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         StorageError,
     )
     from resilient.exitcodes import ExitCode
-    from resilient.runtime import Runtime, RuntimeConfig, WatchdogConfig, init
+    from resilient.runtime import Runtime, RuntimeConfig, WatchdogConfig, current, init
 
 _HOME = {
     "CheckpointConfig": "resilient.checkpoint",
@@ -45,6 +45,7 @@ _HOME = {
     "Runtime": "resilient.runtime",
     "RuntimeConfig": "resilient.runtime",
     "WatchdogConfig": "resilient.runtime",
+    "current": "resilient.runtime",
     "init": "resilient.runtime",
 }
 
@@ -63,6 +64,7 @@ __all__ = [
     "TrainState",
     "WatchdogConfig",
     "__version__",
+    "current",
     "init",
     "state_digest",
 ]

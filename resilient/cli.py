@@ -4,6 +4,7 @@ resilient run [torchrun flags] script.py [args]   torchrun with restarts, preemp
 resilient ls URL          list checkpoints: step, committed or not, size, world size
 resilient verify URL      check every file of the newest (or --step N) checkpoint
 resilient report RUN_DIR  goodput, faults and recovery from a run's event logs (--png: timeline)
+resilient check-resume [torchrun flags] script.py [args]   is stop-and-resume bit-exact?
 """
 
 from __future__ import annotations
@@ -91,12 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         from resilient.supervisor import main as run_main
 
         return run_main(argv[1:])
+    if argv[:1] == ["check-resume"]:  # torchrun's flags too: parsed there (check_resume.py)
+        from resilient.check_resume import main as check_main
+
+        return check_main(argv[1:])
     parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "run",
         help="run a script under torch elastic with restarts, preemption and elastic resume "
         "(resilient run --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "check-resume",
+        help="run a script straight and stopped-then-resumed on scratch directories and "
+        "compare every step (resilient check-resume --help)",
         add_help=False,
     )
     p = sub.add_parser("ls", help="list the checkpoints under a location")

@@ -25,11 +25,14 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "ENV_ATTEMPT",
     "ENV_CHECKPOINT_DIR",
+    "ENV_FINAL_DIGEST",
     "ENV_GRACE_S",
     "ENV_PREEMPT",
     "ENV_PREEMPT_SIGNALS",
     "ENV_RUN_DIR",
     "ENV_RUN_ID",
+    "ENV_SCRATCH",
+    "ENV_STOP_AT",
     "ENV_WATCHDOG",
     "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_RESTART_COUNT",
@@ -65,6 +68,16 @@ ENV_PREEMPT = "RESILIENT_PREEMPT"
 ENV_WATCHDOG = "RESILIENT_WATCHDOG"
 """JSON object of WatchdogConfig fields that override the defaults (not values passed to
 `resilient.init(watchdog=...)`), e.g. '{"timeout_s": 60}'; "0" or "off" disables the watchdog."""
+
+ENV_STOP_AT = "RESILIENT_STOP_AT"
+"""Set by `resilient check-resume`: leave steps()/epochs() after this many steps with a
+committed checkpoint."""
+ENV_FINAL_DIGEST = "RESILIENT_FINAL_DIGEST"
+"""Set by `resilient check-resume`: at the end of the loop, log the final state's sha256 (a
+collective) as `runtime.digest`."""
+ENV_SCRATCH = "RESILIENT_CHECK_SCRATCH"
+"""Set by `resilient check-resume`: checkpoints and logs go under this directory whatever the
+script passes to init(), so checking never touches the script's own checkpoints."""
 
 # ---------------------------------------------------------------- torch elastic's
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"

@@ -35,44 +35,30 @@ start-up and end out of the measured wall time instead (the two ratios are close
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from resilient import events as ev
 
 __all__ = ["FaultReport", "RunReport", "analyze", "format_report", "plot_timeline", "young_daly"]
 
 _NEAR_S = 10.0
 """Clean windows of the same attempt within this many seconds are a save window's reference."""
-_DETECTION = (
-    "hang.detected",
-    "fault.detected",
-    "watchdog.exit",
-    "guard.failure",
-    "worker.failed",
-    "preempt.forward",  # the supervisor passed a preemption signal on
-    "preempt.stop",  # the ranks agreed to stop for one
-)
-
-
-def _ts(e: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
+_DETECTION = ev.DETECTION
 
 
 def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every event of the run, each with a float `t` (epoch seconds), in time order."""
     out = []
-    for path in sorted(Path(run_dir, "logs").glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                e = json.loads(line)
-                e["t"] = _ts(e)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill
-            out.append(e)
+    for e in ev.iter_events(Path(run_dir, "logs")):
+        try:
+            e["t"] = ev.timestamp(e)
+        except (ValueError, KeyError, TypeError):
+            continue  # no time: not ours
+        out.append(e)
     out.sort(key=lambda e: e["t"])
     _number_attempts_across_launches(out)
     return out
@@ -177,6 +163,10 @@ class RunReport:
     """Step time of steps that a later attempt ran again."""
     optimal_run_goodput: float | None = None
     """The optimum with this run's one-time start-up and end added."""
+    replay_verified: list[tuple[int, int]] = field(default_factory=list)
+    """(rank, steps) of each `resume.verified`: replayed steps equal to the earlier run's."""
+    replay_diverged: list[dict[str, Any]] = field(default_factory=list)
+    """Each `resume.diverged`: the first replayed step that differed, on which rank, what."""
 
     @property
     def steady_goodput(self) -> float:
@@ -395,6 +385,12 @@ def analyze(
         startup_s=(first_t0 - start) if first_t0 is not None else wall,
         end_s=(end - last_t1) if last_t1 is not None else 0.0,
         replayed_s=replayed,
+        replay_verified=[
+            (int(e.get("rank", -1)), int(e.get("steps", 0)))
+            for e in events
+            if e.get("event") == ev.RESUME_VERIFIED
+        ],
+        replay_diverged=[e for e in events if e.get("event") == ev.RESUME_DIVERGED],
     )
     if len(committed) >= 2:
         gaps = [
@@ -432,6 +428,18 @@ def format_report(rep: RunReport) -> str:
         f"save cost ({rep.save_cost_basis})  {s(rep.save_cost_s, ' s', 4)}  "
         f"(blocked {s(rep.blocked_s, ' s', 4)}, measured interval {s(rep.interval_s)})",
     ]
+    if rep.replay_verified or rep.replay_diverged:
+        steps = sum(n for _, n in rep.replay_verified)
+        ranks = len({r for r, _ in rep.replay_verified})
+        lines.append(
+            f"replay check         {len(rep.replay_verified)} resume(s) verified on {ranks} "
+            f"rank(s), {steps} replayed step(s) identical"
+        )
+        for d in rep.replay_diverged:
+            lines.append(
+                f"  DIVERGED: rank {d.get('rank')} at step {d.get('step')}: the "
+                f"{d.get('differed')} differ from the earlier attempt's; {d.get('causes')}"
+            )
     if rep.faults:
         lines += ["", "fault  kind              detect    restart    recover  steps lost"]
         for i, f in enumerate(rep.faults):

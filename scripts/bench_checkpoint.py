@@ -651,11 +651,10 @@ class Bench:
         """The manager's own split of its last save (rank 0's event log): DCP write, commit."""
         if self.log_path is None or not self.log_path.exists():
             return {}
-        for line in reversed(self.log_path.read_text().splitlines()):
-            e = json.loads(line)
-            if e.get("event") == "ckpt.save.committed":
-                return {k: e[k] for k in ("seconds", "write_s", "commit_s") if k in e}
-        return {}
+        from resilient.events import CKPT_SAVE_COMMITTED, latest_event
+
+        e = latest_event(self.log_path, CKPT_SAVE_COMMITTED) or {}
+        return {k: e[k] for k in ("seconds", "write_s", "commit_s") if k in e}
 
 
 BREAKDOWN = ["dcp_nofsync", "dcp_nozipcrc", "writer", "writer_nozipcrc", "sync_wt2"]

@@ -27,7 +27,8 @@ The side-by-side ratios carry the machine's noise (see the A/A line); so does th
 comparison of process CPU time per step, far less (a rank waiting in a collective or
 descheduled burns none), which shows the work added rather than the waits; the direct accounting
 times each added piece on its own, both ranks in step (step bookkeeping, the barrier / N,
-the guard, micro_batches with its agreement all-reduce), over the bare step time.
+the guard, micro_batches with its agreement all-reduce, the step fingerprint: hashing the
+first forward's inputs, the observed loss, its event), over the bare step time.
 Also reported: the hang monitor's CPU fraction fed 16,384 simulated ranks (no processes).
 """
 
@@ -128,6 +129,11 @@ def report(r: dict[str, Any]) -> None:
         f"{r['guard_ms']:.4f} ms, micro_batches with its agreement {r['micro_machinery_ms']:.3f} "
         f"ms -> guard {r['direct_overhead_guard']:.3%}, micro {r['direct_overhead_micro']:.3%}"
     )
+    print(
+        f"step fingerprint (input hash, loss, event; in the above): {r['fingerprint_ms']:.4f} "
+        f"ms = {r['fingerprint_fraction']:.3%} of a bare step; larger inputs add "
+        f"{r['fingerprint_hash_ms_per_mib']:.3f} ms per MiB hashed"
+    )
     seen = r["boundary_seen_ms"]
     print(f"(the step boundary as seen in the loop, with every collective there: {seen} ms;")
     print(f" the agreement as seen in the loop, waiting for the peer: {r['agreement_seen_ms']} ms)")
@@ -152,6 +158,8 @@ def report(r: dict[str, Any]) -> None:
         "overhead_guard",
         "overhead_micro",
         "phase_bookkeeping_fraction",
+        "fingerprint_fraction",
+        "fingerprint_hash_ms_per_mib",
         "watchdog_thread_cpu_fraction",
         "monitor_cpu_fraction_16k",
         "median_step_ms",
@@ -349,6 +357,23 @@ def worker(args: argparse.Namespace) -> None:
         wd.progress.end_step()
 
     step_ms = per_call(bookkeeping) * 1000
+    # the step fingerprint (resilient/runtime/fingerprint.py): the hash of the first forward's
+    # inputs, the observed loss and the step.fingerprint event, as one step pays them
+    fp, fx, fy = rt._fp, *batches[0]
+    fp_loss = torch.tensor(1.0)
+    fp_step = [10**9]
+
+    def fingerprint() -> None:
+        fp_step[0] += 1
+        fp.begin(fp_step[0])
+        fp.inputs(fx, fy)
+        fp.observe_loss(fp_loss)
+        fp.end(fp_step[0])
+
+    fingerprint_ms = per_call(fingerprint) * 1000
+    # larger inputs (an image batch) cost in proportion to their bytes: per MiB, on this CPU
+    big = torch.randn(8, 3, 128, 128)  # 1.5 MiB of float32
+    hash_ms_per_mib = per_call(lambda: fp._tensor_hash(big), 50) * 1000 / 1.5
     barrier_ms = per_call(wd.barrier, 50) * 1000
     # phase bookkeeping: progress events per step (hooks, steps(), guards) x their cost
     progress = rt.watchdog.progress
@@ -381,13 +406,16 @@ def worker(args: argparse.Namespace) -> None:
         "phase_bookkeeping_fraction": round(hook_ms / med["bare"], 6),
         "boundary_seen_ms": round(boundary_ms, 4),
         "step_bookkeeping_ms": round(step_ms, 5),
+        "fingerprint_ms": round(fingerprint_ms, 5),
+        "fingerprint_fraction": round(fingerprint_ms / med["bare"], 6),
+        "fingerprint_hash_ms_per_mib": round(hash_ms_per_mib, 4),
         "barrier_ms": round(barrier_ms, 4),
         "guard_ms": round(guard_ms, 4),
         "micro_machinery_ms": round(micro_ms, 4),
         "agreement_seen_ms": round(agree_seen_ms, 4),
     }
     extra = result["watchdog_thread_cpu_fraction"] + result["phase_bookkeeping_fraction"]
-    per_step = step_ms + barrier_ms / args.barrier_every
+    per_step = step_ms + fingerprint_ms + barrier_ms / args.barrier_every
     result["direct_overhead_guard"] = round((per_step + guard_ms) / med["bare"] + extra, 6)
     result["direct_overhead_micro"] = round((per_step + micro_ms) / med["bare"] + extra, 6)
     if rt.rank == 0 and args.out:

@@ -21,7 +21,6 @@ The last line of output is one JSON object with the figures and ratios.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -33,6 +32,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from resilient.events import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_recovery_worker.py"
@@ -65,24 +66,14 @@ def _ts(iso: str) -> float:
 
 
 def _events(run_dir: Path, name: str) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted((run_dir / "logs").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if rec.get("event") == name:
-                    rec["_t"] = _ts(rec["ts"])
-                    out.append(rec)
+    out = read_events(run_dir, name)
+    for rec in out:
+        rec["_t"] = _ts(rec["ts"])
     return out
 
 
 def _records(rec_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(rec_dir.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-    return out
+    return read_events(rec_dir, pattern="rank*.jsonl")
 
 
 def _wait(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes]) -> None:

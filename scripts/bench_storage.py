@@ -402,12 +402,11 @@ def main(argv: list[str] | None = None) -> None:
     args.reps = args.reps or 5
     import logging
 
-    import structlog
+    from resilient import log
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    structlog.configure(  # our events would flood the table; retries still show as warnings
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
-    )
+    # our events would flood the table; retries still show as warnings
+    log.configure(run_dir=None, run_id="bench", rank=0, restart=0, console_level="WARNING")
     summary = run(args, lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(_rounded(summary)), flush=True)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
-from helpers import WORKERS, Launcher, Result, free_port, read_events
+from helpers import WORKERS, Launcher, Result, free_port
 
 from resilient import log
+from resilient.events import read_events
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,6 @@ def events(tmp_path: Path) -> Iterator[Callable[[str | None], list[dict[str, Any
         rank=0,
         restart=0,
         console_level="CRITICAL",
-        respect_existing=False,
     )
     assert path is not None
 
@@ -90,5 +89,4 @@ def events(tmp_path: Path) -> Iterator[Callable[[str | None], list[dict[str, Any
         return read_events(path, event)
 
     yield read
-    log.configure(run_dir=None, run_id="test", rank=0, restart=0, respect_existing=False)
-    structlog.reset_defaults()
+    log.configure(run_dir=None, run_id="test", rank=0, restart=0)

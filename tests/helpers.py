@@ -13,7 +13,6 @@ Test modules import from here (and fixtures come from conftest.py), never from e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 
 from chaos.procs import REPO, Run, events, spawn, wait_for
 from chaos.ranks import Ranks, free_port
+from resilient.events import read_events
 from resilient.proctree import alive, kill_tree
 
 __all__ = [
@@ -108,23 +108,13 @@ def run_cmd(*args: str) -> list[str]:
 
 def records(record_dir: Path) -> list[dict[str, Any]]:
     """What the supervised worker recorded, every rank, every attempt."""
-    out: list[dict[str, Any]] = []
-    for path in sorted(record_dir.glob("rank*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
+    return read_events(record_dir, pattern="rank*.jsonl")
 
 
 def run_events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
     """Events of every log under <run_dir>/logs (the ranks' and the supervisor's), optionally
     only those named `name`; torn lines are skipped."""
-    out: list[dict[str, Any]] = []
-    for path in sorted((run_dir / "logs").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if name is None or rec.get("event") == name:
-                    out.append(rec)
-    return out
+    return read_events(run_dir, name)
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
@@ -189,11 +179,3 @@ def only_event(run_dir: Path, name: str) -> dict[str, Any]:
 
 def exit_events(run_dir: Path) -> dict[int, int]:
     return {e["rank"]: e["code"] for e in events(run_dir) if e.get("event") == "watchdog.exit"}
-
-
-def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """JSON-lines events of one rank's log file, optionally only those named `event`."""
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if event is None or r.get("event") == event]

@@ -2,6 +2,6 @@
 
 from resilient.exitcodes import ExitCode
 from resilient.runtime.heartbeat import WatchdogConfig
-from resilient.runtime.runtime import Runtime, RuntimeConfig, init
+from resilient.runtime.runtime import Runtime, RuntimeConfig, current, init
 
-__all__ = ["ExitCode", "Runtime", "RuntimeConfig", "WatchdogConfig", "init"]
+__all__ = ["ExitCode", "Runtime", "RuntimeConfig", "WatchdogConfig", "current", "init"]

@@ -35,6 +35,8 @@ class ResumableBatches:
         """Samples this rank's sampler had yielded when the current iterator began."""
         self._taken = 0
         """Batches handed out by the current iterator."""
+        self._generator_state: torch.Tensor | None = None
+        """The loader's generator as saved, to restore once a resumed iterator has begun."""
 
     def _samplers(self) -> list[Any]:
         return [
@@ -57,30 +59,60 @@ class ResumableBatches:
 
     def __next__(self) -> Any:
         for _ in range(2):  # at most one epoch rollover per batch
-            if self._it is None:
-                self._set_epoch()
-                with torch.random.fork_rng(devices=[]):
-                    self._it = iter(self.loader)
             try:
-                batch = next(self._it)
+                return self.next_in_epoch()
             except StopIteration:
-                self.epoch += 1
-                self._it = None
-                self._start = self._taken = 0
                 continue
-            self._taken += 1
-            return batch
         raise RuntimeError("the tracked loader yields no batches: is its dataset empty?")
+
+    def next_in_epoch(self) -> Any:
+        """The next batch of the current epoch; at its end StopIteration, with `epoch`
+        advanced to the next one."""
+        if self._it is None:
+            self._set_epoch()
+            with torch.random.fork_rng(devices=[]):
+                self._it = iter(self.loader)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._restore_generator()
+            self.end_epoch()
+            raise
+        self._restore_generator()
+        self._taken += 1
+        return batch
+
+    def _generator(self) -> torch.Generator | None:
+        gen = getattr(self.loader, "generator", None)
+        return gen if isinstance(gen, torch.Generator) else None
+
+    def _restore_generator(self) -> None:
+        # A StatefulDataLoader with `generator=` shares it between the base seed that each
+        # iterator draws and RandomSampler's permutation, but saves its state from before the
+        # base seed was drawn: a resumed iterator leaves it one draw off, and the next epoch
+        # is shuffled differently. Its state as saved is where it must be.
+        gen, state = self._generator(), self._generator_state
+        if gen is not None and state is not None:
+            gen.set_state(state)
+        self._generator_state = None
+
+    def end_epoch(self) -> None:
+        """Leave the current epoch (whatever is left of it); the next batch starts the next."""
+        self.epoch += 1
+        self._it = None
+        self._start = self._taken = 0
 
     def state_dict(self) -> dict[str, Any]:
         # No iterator yet (start, or just past an epoch's end): the next epoch starts afresh
         # (at `start` after a reshard). The loader's own state would describe the finished
         # epoch instead.
+        gen = self._generator()
         return {
             "epoch": self.epoch,
             "loader": self.loader.state_dict() if self._it is not None else None,
             "start": self._start,
             "taken": self._taken,
+            "generator": gen.get_state() if gen is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -88,6 +120,9 @@ class ResumableBatches:
         self._it = None
         self._start = int(state.get("start", 0))
         self._taken = int(state.get("taken", 0))
+        self._generator_state = state.get("generator")
+        if state["loader"] is None:
+            self._restore_generator()  # no iterator to resume: it applies from here on
         if state["loader"] is not None:
             self._set_epoch()
             self.loader.load_state_dict(state["loader"])

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,12 +39,9 @@ from resilient.envvars import (  # the launcher's contract, re-exported here
     json_object_env,
     parse_signals,
 )
-from resilient.errors import CheckpointError, ConfigError
+from resilient.errors import ConfigError
 from resilient.log import get_logger
 from resilient.runtime.exitcodes import ExitCode
-
-if TYPE_CHECKING:
-    from resilient.runtime.runtime import Runtime
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -55,7 +52,6 @@ __all__ = [
     "PreemptConfig",
     "Preempted",
     "PreemptionWatch",
-    "coordinated_stop",
     "parse_signals",
 ]
 
@@ -285,69 +281,3 @@ class PreemptionWatch:
     def since_signal_s(self) -> float | None:
         start = self.signal_at if self.signal_at is not None else self.learned_at
         return None if start is None else round(time.monotonic() - start, 4)
-
-
-def coordinated_stop(rt: Runtime, *, resumed_at: int) -> NoReturn:
-    """Every rank agreed to stop before the next step: finish or make the final save within
-    the grace period, leave the process groups, raise Preempted (exit ExitCode.PREEMPTED).
-
-    `resumed_at` is the step this attempt started from: with no step done since, there is
-    nothing new to save.
-    """
-    from resilient.runtime.heartbeat import Phase
-
-    watch, log, step = rt.preemption, rt.log, rt.step
-    log.warning(
-        "preempt.stop",
-        step=step,
-        signal=watch.signal_name,
-        signalled_here=watch.requested,
-        since_signal_s=watch.since_signal_s(),
-        remaining_s=round(watch.remaining_s(), 3),
-    )
-    mgr = rt.checkpoints
-    try:
-        with rt.watchdog.phase(Phase.CHECKPOINT):
-            t0 = time.monotonic()
-            if mgr.wait() is not None:  # the async save in flight: finish and commit it
-                log.info(
-                    "preempt.flushed",
-                    step=getattr(mgr, "last_committed", None),
-                    wait_s=round(time.monotonic() - t0, 4),
-                )
-            committed = getattr(mgr, "last_committed", None)
-            if step not in (committed, resumed_at):
-                fits, estimate, left = watch.budget(watch.save_estimate_s)
-                if fits:
-                    t1 = time.monotonic()
-                    rt.save(blocking=True)
-                    committed = getattr(mgr, "last_committed", None)
-                    if committed == step:
-                        log.warning(
-                            "preempt.committed",
-                            step=step,
-                            save_s=round(time.monotonic() - t1, 4),
-                            since_signal_s=watch.since_signal_s(),
-                        )
-                else:
-                    log.error(
-                        "preempt.skip_save",
-                        step=step,
-                        estimate_s=round(estimate, 3),
-                        remaining_s=round(left, 3),
-                        newest_valid=committed,
-                    )
-    except CheckpointError as e:  # the previous checkpoint stays the newest valid one
-        committed = getattr(mgr, "last_committed", None)
-        log.error("preempt.save_failed", step=step, error=str(e)[:500], newest_valid=committed)
-    rt.close()
-    log.warning(
-        "preempt.exit",
-        step=step,
-        committed=committed,
-        code=int(ExitCode.PREEMPTED),
-        since_signal_s=watch.since_signal_s(),
-        agree_checks=watch.checks,
-        agree_mean_us=round(1e6 * watch.check_s / watch.checks, 1) if watch.checks else None,
-    )
-    raise Preempted(step=step, committed=committed)

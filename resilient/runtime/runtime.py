@@ -1,7 +1,8 @@
 """The in-worker runtime: what `resilient.init()` returns.
 
-It owns the process groups, the event log, the tracked training state and the step loop
-that resumes from the newest valid checkpoint and saves on a policy.
+It owns the process groups, the event log, the tracked training state, resuming from the
+newest valid checkpoint, saving, and the coordinated stop on preemption. The loops between
+(`steps()`, `epochs()`, the save policy) are in resilient/runtime/loops.py.
 """
 
 from __future__ import annotations
@@ -12,30 +13,41 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from resilient import events as ev
 from resilient import log
 from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
-from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_RUN_DIR  # re-exported (README)
-from resilient.errors import ConfigError
+from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, ENV_SCRATCH  # re-exported
+from resilient.errors import CheckpointError, ConfigError
 from resilient.runtime._ddp import ddp_modules, pin_buckets
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
 from resilient.runtime.elastic import DataPosition
 from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.exitcodes import ExitCode
+from resilient.runtime.fingerprint import ReplayCheck, StepFingerprints
 from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
-from resilient.runtime.preempt import PreemptConfig, PreemptionWatch, coordinated_stop
+from resilient.runtime.loops import Loops
+from resilient.runtime.preempt import PreemptConfig, Preempted, PreemptionWatch
 from resilient.runtime.progress import ProgressLog
 from resilient.runtime.watchdog import Watchdog, exit_now
 
-__all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
+__all__ = [
+    "ENV_CHECKPOINT_DIR",
+    "ENV_RUN_DIR",
+    "ENV_SCRATCH",
+    "Runtime",
+    "RuntimeConfig",
+    "current",
+    "init",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +127,10 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
         if checkpoint_dir is not None
         else (os.environ.get(ENV_CHECKPOINT_DIR) or "checkpoints")
     )
+    scratch = os.environ.get(ENV_SCRATCH)
+    if scratch:  # resilient check-resume: never the script's own locations
+        url, options["run_dir"] = os.path.join(scratch, "ckpt"), os.path.join(scratch, "run")
+        options.pop("local_url", None)
     ckpt = CheckpointConfig(url=url, **{k: v for k, v in options.items() if k in _CKPT_FIELDS})
     if isinstance(options.get("watchdog"), dict):
         options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
@@ -126,12 +142,24 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
     return Runtime(cfg)
 
 
+_current: Runtime | None = None
+
+
+def current() -> Runtime:
+    """The Runtime that init() returned in this process (for code that cannot be handed it,
+    e.g. a Trainer class built after init()). Raises RuntimeError before init() or after
+    close()."""
+    if _current is None:
+        raise RuntimeError("no resilient Runtime in this process: call resilient.init() first")
+    return _current
+
+
 def _at_least_warning(level: str) -> str:
     order = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     return order[max(order.index(level.upper()), 2)]
 
 
-class Runtime:
+class Runtime(Loops):
     """Resumable, checkpointed training around a user's loop. Create it with `init()`."""
 
     def __init__(self, config: RuntimeConfig) -> None:
@@ -183,8 +211,12 @@ class Runtime:
             lambda: self.step, divert=self.guards.on_uncaught
         )
         self._data: DataPosition | None = None
+        self._fp = StepFingerprints(self.log, world=self.ctx.world_size)
+        self._init_loops()  # resilient/runtime/loops.py
+        global _current
+        _current = self
         self.log.info(
-            "runtime.init",
+            ev.RUNTIME_INIT,
             world_size=self.ctx.world_size,
             backend=self.ctx.backend,
             host=self.ctx.host,
@@ -263,6 +295,8 @@ class Runtime:
                     )
         self._install_fences(model, optimizer)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
+        if model is not None:  # each step's first forward inputs: its fingerprint
+            self._hooks.append(self._fp.attach(model))
 
     def _install_fences(self, model: nn.Module | None, optimizer: Any) -> None:
         # An async save copies tensors in the background; nothing may change them until the
@@ -277,12 +311,6 @@ class Runtime:
         if model is not None and any(True for _ in model.buffers()):
             self._hooks.append(model.register_forward_pre_hook(lambda *_: fence()))
 
-    def batches(self) -> Iterator[Any]:
-        """Endless iterator over the tracked loader, across epochs, resuming mid-epoch."""
-        if self._batches is None:
-            raise RuntimeError("batches() needs track(loader=...) first")
-        return _DataPhase(self._batches, self.watchdog)
-
     # ------------------------------------------------------------------ the loop
     def resume(self) -> int:
         """Load the newest valid checkpoint, if any, and return the step to continue from.
@@ -295,73 +323,26 @@ class Runtime:
             with self.watchdog.phase(Phase.CHECKPOINT):
                 loaded = self.checkpoints.load_latest(self.state)
             self.step = loaded or 0
+            self._saved_step = loaded
             if self._data is not None:
                 self._data.apply()  # elastic: reposition the loader on a new world size
             self._resumed = True
             self._last_save_time = time.monotonic()
-            self.log.info("runtime.resume", step=self.step, from_checkpoint=loaded is not None)
+            self.log.info(ev.RUNTIME_RESUME, step=self.step, from_checkpoint=loaded is not None)
+            if loaded is not None:  # the steps run again are compared with the earlier ones
+                self._fp.check = ReplayCheck.open(
+                    self.log,
+                    self.log_path,
+                    rank=self.rank,
+                    world=self.world_size,
+                    resumed_at=loaded,
+                )
         return self.step
-
-    def steps(self, total: int, *, stop_at: int | None = None) -> Iterator[int]:
-        """Yield step numbers from the resumed step up to `total` (exclusive).
-
-        After each step's body finishes, saves when the policy says so. At `total`, or at
-        `stop_at` (leave early with a committed checkpoint, e.g. at the end of a time-sliced
-        allocation), a synchronous save. Leaving the loop by break or exception waits for a
-        save in flight but does not save.
-        """
-        if total < 0:
-            raise ConfigError(f"total must be >= 0, got {total}")
-        if stop_at is not None and not 0 <= stop_at <= total:
-            raise ConfigError(f"stop_at must be in [0, total={total}], got {stop_at}")
-        end = total if stop_at is None else stop_at
-        # preemption signals are ours only while the loop can act on them (runtime/preempt.py)
-        self.preemption.install()
-        try:
-            start = self.resume()
-        except BaseException:
-            self.preemption.uninstall()
-            raise
-        try:
-            for step in range(start, end):
-                self._check_preempt(start)  # may end the run with ExitCode.PREEMPTED
-                self.watchdog.step_begin(step)
-                self._progress.begin()
-                yield step
-                self._progress.end(step)  # train.progress: what `resilient report` reads
-                self.step = step + 1
-                self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
-                if self.step < end and self._should_save():
-                    self.save()
-            if end > start:
-                # Agreements are spread over steps (PreemptConfig.check_interval_s): a signal
-                # since the last one must still stop the run as a preemption, so the final
-                # save keeps to the grace period and the exit code says "preempted".
-                self._check_preempt(start, force=True)
-                if self.config.save_at_end:
-                    self.save(blocking=True)
-        finally:
-            self.preemption.uninstall()
-            self._progress.flush()
-            self.watchdog.progress.enter(Phase.FINISH)
-            self.checkpoints.wait()
-        self.log.info("runtime.done", step=self.step, total=total)
-
-    def _should_save(self) -> bool:
-        every = self.config.save_every_steps
-        due = every is not None and self.step % every == 0
-        secs = self.config.save_every_seconds
-        if secs is not None and not due:
-            due = time.monotonic() - self._last_save_time >= secs
-            if self.ctx.distributed:  # clocks differ: rank 0 decides for everyone
-                box = [due]
-                dist.broadcast_object_list(box, src=0, group=self.ctx.control_group)
-                due = bool(box[0])
-        return due
 
     def save(self, *, blocking: bool | None = None) -> None:
         """Checkpoint the tracked state at the current step (async unless configured)."""
         self._last_save_time = time.monotonic()
+        self._saved_step = self.step
         sync = blocking if blocking is not None else not self.config.checkpoint.async_save
         t0 = time.perf_counter()
         with self.watchdog.phase(Phase.CHECKPOINT):
@@ -381,7 +362,70 @@ class Runtime:
                 exit_now(ExitCode.PEER_LOST, kind="preempt_group_lost", error=str(e)[:300])
             self.guards.fail_fast(e)
         if stop:
-            coordinated_stop(self, resumed_at=resumed_at)
+            self._stop_preempted(resumed_at)
+
+    def _stop_preempted(self, resumed_at: int) -> NoReturn:
+        """Every rank agreed to stop before the next step: finish or make the final save within
+        the grace period, leave the process groups, raise Preempted (exit ExitCode.PREEMPTED).
+        `resumed_at` is the step this attempt started from: with no step done since, there is
+        nothing new to save."""
+        watch, log, step, mgr = self.preemption, self.log, self.step, self.checkpoints
+        log.warning(
+            "preempt.stop",
+            step=step,
+            signal=watch.signal_name,
+            signalled_here=watch.requested,
+            since_signal_s=watch.since_signal_s(),
+            remaining_s=round(watch.remaining_s(), 3),
+        )
+        try:
+            with self.watchdog.phase(Phase.CHECKPOINT):
+                t0 = time.monotonic()
+                if mgr.wait() is not None:  # the async save in flight: finish and commit it
+                    log.info(
+                        "preempt.flushed",
+                        step=mgr.last_committed,
+                        wait_s=round(time.monotonic() - t0, 4),
+                    )
+                if step not in (mgr.last_committed, resumed_at):
+                    fits, estimate, left = watch.budget(watch.save_estimate_s)
+                    if fits:
+                        t1 = time.monotonic()
+                        self.save(blocking=True)
+                        if mgr.last_committed == step:
+                            log.warning(
+                                "preempt.committed",
+                                step=step,
+                                save_s=round(time.monotonic() - t1, 4),
+                                since_signal_s=watch.since_signal_s(),
+                            )
+                    else:
+                        log.error(
+                            "preempt.skip_save",
+                            step=step,
+                            estimate_s=round(estimate, 3),
+                            remaining_s=round(left, 3),
+                            newest_valid=mgr.last_committed,
+                        )
+        except CheckpointError as e:  # the previous checkpoint stays the newest valid one
+            log.error(
+                "preempt.save_failed",
+                step=step,
+                error=str(e)[:500],
+                newest_valid=mgr.last_committed,
+            )
+        committed = mgr.last_committed
+        self.close()
+        log.warning(
+            "preempt.exit",
+            step=step,
+            committed=committed,
+            code=int(ExitCode.PREEMPTED),
+            since_signal_s=watch.since_signal_s(),
+            agree_checks=watch.checks,
+            agree_mean_us=round(1e6 * watch.check_s / watch.checks, 1) if watch.checks else None,
+        )
+        raise Preempted(step=step, committed=committed)
 
     @property
     def grad_accum(self) -> int:
@@ -398,6 +442,9 @@ class Runtime:
 
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""
+        global _current
+        if _current is self:
+            _current = None
         with self.watchdog.phase(Phase.FINISH):
             self.checkpoints.close()
         for h in self._hooks:
@@ -419,6 +466,7 @@ class Runtime:
     ) -> Iterator[MicroBatch]:
         """Split a batch into micro-batches; with DDP an OOM on any rank retries the same
         batch in smaller ones on every rank (see resilient.runtime.guard)."""
+        self._fp.inputs(*tensors)  # the whole batch, whatever the split
         return self.guards.micro_batches(*tensors, model=model, split=split)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
@@ -430,18 +478,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _DataPhase:
-    """The loader's iterator, in phase `data` while it fetches a batch."""
-
-    def __init__(self, batches: ResumableBatches, watchdog: Watchdog) -> None:
-        self._batches = batches
-        self._progress = watchdog.progress
-
-    def __iter__(self) -> _DataPhase:
-        return self
-
-    def __next__(self) -> Any:
-        self._progress.enter(Phase.DATA)
-        return next(self._batches)

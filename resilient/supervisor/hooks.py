@@ -3,22 +3,19 @@
 `Supervisor` is the agent's hooks (resilient/supervisor/agent.py): it records each attempt,
 explains failures from the workers' event logs, decides between restarting (after a backoff)
 and stopping (crash loop, preemption, restarts exhausted), and keeps the run's record in
-<run_dir>/supervisor_report.json and <run_dir>/logs/supervisor.jsonl (`_SupervisorLog`).
+<run_dir>/supervisor_report.json and <run_dir>/logs/supervisor.jsonl (`_supervisor_log`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
-
-import structlog
+from typing import Any
 
 from resilient.exitcodes import ExitCode
+from resilient.log import EventLog, open_event_log
 from resilient.supervisor.agent import FailureInfo, Verdict
 from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.policy import RestartTracker
@@ -34,46 +31,11 @@ from resilient.supervisor.report import (
 __all__ = ["Supervisor"]
 
 
-class _SupervisorLog:
-    """JSON lines in <run_dir>/logs/supervisor.jsonl and readable lines on stderr."""
-
-    def __init__(self, run_dir: str, run_id: str, *, name: str = "supervisor.jsonl") -> None:
-        path = Path(run_dir) / "logs" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = path.open("a", encoding="utf-8")
-        self._console = structlog.dev.ConsoleRenderer(colors=False, pad_event_to=28)
-        static = {
-            "source": "supervisor",
-            "run_id": run_id,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        }
-
-        def tee(logger: Any, method: str, ev: Any) -> Any:
-            self._file.write(json.dumps({**ev, **static}, default=str) + "\n")
-            self._file.flush()
-            return self._console(logger, method, {k: v for k, v in ev.items() if k != "ts"})
-
-        self._log = structlog.wrap_logger(
-            structlog.PrintLogger(sys.stderr),
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-                tee,
-            ],
-        )
-
-    def info(self, event: str, **fields: Any) -> None:
-        self._log.info(event, **fields)
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self._log.warning(event, **fields)
-
-    def error(self, event: str, **fields: Any) -> None:
-        self._log.error(event, **fields)
-
-    def close(self) -> None:
-        self._file.close()
+def _supervisor_log(run_dir: str, run_id: str, *, name: str = "supervisor.jsonl") -> EventLog:
+    """JSON lines in <run_dir>/logs/supervisor.jsonl and readable lines on stderr (the
+    runtime's pipeline, resilient.log)."""
+    static = {"source": "supervisor", "run_id": run_id, "host": socket.gethostname()}
+    return open_event_log(Path(run_dir) / "logs" / name, static={**static, "pid": os.getpid()})
 
 
 class Supervisor:
@@ -87,7 +49,7 @@ class Supervisor:
         self.logs.refresh()  # earlier runs in this directory: progress baseline, save times
         # one file per host where several nodes may share the run directory
         suffix = f"_{socket.gethostname()}" if multi_node else ""
-        self.log = _SupervisorLog(cfg.run_dir, run_id, name=f"supervisor{suffix}.jsonl")
+        self.log = _supervisor_log(cfg.run_dir, run_id, name=f"supervisor{suffix}.jsonl")
         self.probe = CheckpointProbe(cfg.checkpoint_url, self.logs)
         self.tracker = RestartTracker(cfg.restart, self.probe)
         self.report = SupervisorReport(

@@ -8,7 +8,6 @@ excepthook), and the exit code itself. The final report goes to <run_dir>/superv
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from resilient.events import STEP_FINGERPRINT, EventTail
 from resilient.exitcodes import ExitCode, describe
 
 __all__ = [
@@ -45,29 +45,13 @@ class EventLogs:
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(run_dir) / "logs"
-        self._offsets: dict[Path, int] = {}
+        self._tail = EventTail(self.dir, "rank*.jsonl")
         self.records: list[dict[str, Any]] = []
 
     def refresh(self) -> list[dict[str, Any]]:
         """Read what the ranks appended since the last call; returns the new records."""
-        new: list[dict[str, Any]] = []
-        if not self.dir.is_dir():
-            return new
-        for path in sorted(self.dir.glob("rank*.jsonl")):
-            start = self._offsets.get(path, 0)
-            try:
-                with path.open("rb") as f:
-                    f.seek(start)
-                    data = f.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1  # a line still being written is read next time
-            for line in data[:end].splitlines():
-                with contextlib.suppress(ValueError):  # a torn line from a killed rank
-                    rec = json.loads(line)
-                    if isinstance(rec, dict):
-                        new.append(rec)
-            self._offsets[path] = start + end
+        # one fingerprint per step and rank would grow without bound here; none is needed
+        new = [r for r in self._tail.read_new() if r.get("event") != STEP_FINGERPRINT]
         self.records += new
         return new
 

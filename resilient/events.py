@@ -1,0 +1,194 @@
+"""The event log's vocabulary and its readers.
+
+Every event is one JSON object per line in `<run_dir>/logs/*.jsonl` (`rank<R>.jsonl` per
+rank, `supervisor*.jsonl`, `chaos.jsonl`), written by `resilient.log`. This module names the
+events that something reads back (the report, the supervisor, the chaos checker, the replay
+verification, the tests), and is the one place that parses those files: a line cut short by
+a kill, or anything that is not a JSON object, is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Collection, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CHAOS_FAULT",
+    "CKPT_FALLBACK",
+    "CKPT_FRESH_START",
+    "CKPT_LOAD",
+    "CKPT_SAVE_COMMITTED",
+    "CKPT_SAVE_STAGED",
+    "CKPT_SAVE_START",
+    "DETECTION",
+    "HANG_DETECTED",
+    "PREEMPT_EXIT",
+    "PREEMPT_STOP",
+    "RESUME_DIVERGED",
+    "RESUME_UNVERIFIED",
+    "RESUME_VERIFIED",
+    "RUNTIME_DIGEST",
+    "RUNTIME_DONE",
+    "RUNTIME_INIT",
+    "RUNTIME_RESUME",
+    "STEP_FINGERPRINT",
+    "TRAIN_PROGRESS",
+    "WORKER_FAILED",
+    "EventTail",
+    "iter_events",
+    "latest_event",
+    "parse_lines",
+    "read_events",
+    "timestamp",
+]
+
+# runtime
+RUNTIME_INIT = "runtime.init"
+"""A rank started: world_size, backend, host, pid, restart."""
+RUNTIME_RESUME = "runtime.resume"
+"""steps() resumed: step, from_checkpoint."""
+RUNTIME_DONE = "runtime.done"
+"""steps() or epochs() ended normally: step, total."""
+RUNTIME_DIGEST = "runtime.digest"
+"""The final state's sha256 (only when $RESILIENT_FINAL_DIGEST is set: check-resume)."""
+TRAIN_PROGRESS = "train.progress"
+"""A window of completed steps: first, last, t0, t1, t1_first, busy_s."""
+STEP_FINGERPRINT = "step.fingerprint"
+"""Completed steps' fingerprints: first, inputs (one hash per step), loss (or None), world."""
+RESUME_VERIFIED = "resume.verified"
+"""Every replayed step matched the earlier attempt's fingerprint: steps (the count)."""
+RESUME_DIVERGED = "resume.diverged"
+"""A replayed step differed from the earlier attempt: step, differed, likely causes."""
+RESUME_UNVERIFIED = "resume.unverified"
+"""A resume that could not be compared (no earlier fingerprints, another world size)."""
+# checkpoints
+CKPT_SAVE_START = "ckpt.save.start"
+CKPT_SAVE_STAGED = "ckpt.save.staged"
+CKPT_SAVE_COMMITTED = "ckpt.save.committed"
+CKPT_LOAD = "ckpt.load"
+CKPT_FALLBACK = "ckpt.fallback"
+CKPT_FRESH_START = "ckpt.fresh_start"
+# faults, detection and preemption
+HANG_DETECTED = "hang.detected"
+WORKER_FAILED = "worker.failed"
+PREEMPT_STOP = "preempt.stop"
+PREEMPT_EXIT = "preempt.exit"
+CHAOS_FAULT = "chaos.fault"
+DETECTION = (
+    HANG_DETECTED,
+    "fault.detected",
+    "watchdog.exit",
+    "guard.failure",
+    WORKER_FAILED,
+    "preempt.forward",  # the supervisor passed a preemption signal on
+    PREEMPT_STOP,  # the ranks agreed to stop for one
+)
+"""Events that mark a fault as seen (the report's time to detect)."""
+
+Source = str | os.PathLike[str]
+Names = str | Collection[str] | None
+
+
+def _files(source: Source, rank: int | None, pattern: str) -> list[Path]:
+    p = Path(source)
+    if p.is_file() or p.suffix == ".jsonl":
+        return [p]
+    logs = p / "logs" if (p / "logs").is_dir() else p
+    if rank is not None:
+        return [logs / f"rank{rank}.jsonl"]
+    return sorted(logs.glob(pattern))
+
+
+def parse_lines(data: bytes | str) -> list[dict[str, Any]]:
+    """The JSON objects of complete lines in `data` (torn or foreign lines skipped)."""
+    out = []
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def iter_events(
+    source: Source,
+    name: Names = None,
+    *,
+    rank: int | None = None,
+    pattern: str = "*.jsonl",
+    where: Callable[[dict[str, Any]], bool] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Events of a run directory (its logs/), a logs directory, or one .jsonl file, file by
+    file in name order and in order within a file. `name`: one event name or several;
+    `rank`: only rank<R>.jsonl; `pattern`: which files of a directory."""
+    names = {name} if isinstance(name, str) else (set(name) if name is not None else None)
+    for path in _files(source, rank, pattern):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:  # not there (yet), or removed under us
+            continue
+        for e in parse_lines(text):
+            if (names is None or e.get("event") in names) and (where is None or where(e)):
+                yield e
+
+
+def read_events(
+    source: Source,
+    name: Names = None,
+    *,
+    rank: int | None = None,
+    pattern: str = "*.jsonl",
+    where: Callable[[dict[str, Any]], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """`iter_events` as a list."""
+    return list(iter_events(source, name, rank=rank, pattern=pattern, where=where))
+
+
+def latest_event(
+    source: Source,
+    name: Names,
+    rank: int | None = None,
+    where: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, Any] | None:
+    """The last matching event (in file order), or None."""
+    found = None
+    for e in iter_events(source, name, rank=rank, where=where):
+        found = e
+    return found
+
+
+def timestamp(e: dict[str, Any]) -> float:
+    """An event's `ts` (ISO 8601, UTC) as epoch seconds. KeyError/ValueError if it has none."""
+    return datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
+
+
+class EventTail:
+    """Reads files of a logs directory incrementally: each call returns what was appended
+    since the last one (a line still being written is read next time)."""
+
+    def __init__(self, logs_dir: Source, pattern: str = "rank*.jsonl") -> None:
+        self.dir = Path(logs_dir)
+        self.pattern = pattern
+        self._offsets: dict[Path, int] = {}
+
+    def read_new(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        if not self.dir.is_dir():
+            return new
+        for path in sorted(self.dir.glob(self.pattern)):
+            start = self._offsets.get(path, 0)
+            try:
+                with path.open("rb") as f:
+                    f.seek(start)
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            new += parse_lines(data[:end])
+            self._offsets[path] = start + end
+        return new
