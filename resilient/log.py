@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,6 +19,12 @@ import structlog
 __all__ = ["configure", "get_logger"]
 
 _configured_file: TextIO | None = None
+# Held while an event is written (JSON file and console) and across fork(). Without it, a
+# process forked while another thread was writing an event (the watchdog's thread, say) got a
+# copy of the lock held by a thread that does not exist in it, and its own first event hung
+# forever (tests/test_fork_safety.py: 23 of 30 children hung with structlog's own lock).
+_write_lock = threading.RLock()
+_fork_handlers = False
 _CONSOLE_HIDDEN = {"run_id", "pid", "ts"}  # in the JSON file; noise on a console
 _LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
 
@@ -39,12 +46,42 @@ class _Tee:
     def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
         level = _LEVELS.get(str(event_dict.get("level", "info")).upper(), logging.INFO)
         if self._file is not None:
-            self._file.write(str(self._json(logger, method, dict(event_dict))) + "\n")
-            self._file.flush()
+            line = str(self._json(logger, method, dict(event_dict))) + "\n"
+            with _write_lock:
+                self._file.write(line)
+                self._file.flush()
         if level >= self._console_level:
             short = {k: v for k, v in event_dict.items() if k not in _CONSOLE_HIDDEN}
             return self._console(logger, method, short)
         raise structlog.DropEvent
+
+
+class _Console:
+    """structlog's logger for the rendered console line: stderr, under `_write_lock` (what
+    structlog's PrintLogger does under a lock of its own that nothing holds across fork)."""
+
+    def msg(self, message: str) -> None:
+        with _write_lock:
+            print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = msg
+
+
+def _console_logger(*_: Any) -> _Console:
+    return _Console()
+
+
+def _before_fork() -> None:
+    _write_lock.acquire()  # waits until no thread is in the middle of an event
+
+
+def _after_fork_in_parent() -> None:
+    _write_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _write_lock
+    _write_lock = threading.RLock()  # the parent's copy is held by the forking thread
 
 
 def configure(
@@ -61,7 +98,7 @@ def configure(
     Returns the JSON log path (None without a run directory). Safe to call twice: the second
     call reopens the file (a restarted worker appends to the same file).
     """
-    global _configured_file
+    global _configured_file, _fork_handlers
     if respect_existing and structlog.is_configured() and _configured_file is None:
         return None
     path: Path | None = None
@@ -81,9 +118,16 @@ def configure(
             structlog.processors.format_exc_info,
             _Tee(_configured_file, _LEVELS[console_level.upper()]),
         ],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_console_logger,
         cache_logger_on_first_use=False,
     )
+    if not _fork_handlers:
+        os.register_at_fork(
+            before=_before_fork,
+            after_in_parent=_after_fork_in_parent,
+            after_in_child=_after_fork_in_child,
+        )
+        _fork_handlers = True
     return path
 
 

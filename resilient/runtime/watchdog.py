@@ -39,6 +39,7 @@ from torch import nn
 from resilient.log import get_logger
 from resilient.runtime.dist import DistContext
 from resilient.runtime.exitcodes import ExitCode
+from resilient.runtime.forksafe import after_fork_in_child
 from resilient.runtime.heartbeat import (
     FLAG_FAILED,
     FLAG_OOM,
@@ -121,6 +122,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="resilient-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop, barrier=False)
+        after_fork_in_child(self)  # a DataLoader worker is not this rank (runtime/forksafe.py)
 
     def stop(self, *, barrier: bool = False) -> None:
         """Say "closed" (peers stop expecting heartbeats) and stop the thread. Idempotent.
@@ -145,6 +147,17 @@ class Watchdog:
             self._signal_file = None
         atexit.unregister(self.stop)
         self._log.debug("watchdog.stopped", ticks=self.ticks, cpu_s=round(self.cpu_s, 4))
+
+    def _after_fork_child(self) -> None:
+        """In a forked child: no thread, no store, fresh locks (the parent's may be held by
+        its heartbeat thread, which the child does not have)."""
+        self._thread = None
+        self._store = None
+        self._stop = threading.Event()
+        self._stop.set()
+        self._publish_lock = threading.Lock()
+        self._exit_lock = threading.Lock()
+        self._signal_file = None
 
     # ------------------------------------------------------------------ main-thread API
     @contextlib.contextmanager
