@@ -22,9 +22,7 @@ import faulthandler
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient.log import get_logger
+from resilient.runtime import procinfo
 from resilient.runtime.dist import DistContext
 from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.forksafe import after_fork_in_child
@@ -51,6 +50,7 @@ from resilient.runtime.heartbeat import (
     decode_beats,
     encode_beat,
 )
+from resilient.runtime.instrument import instrument
 
 __all__ = ["Watchdog", "exit_now"]
 
@@ -105,7 +105,8 @@ class Watchdog:
         base = self.ctx.store.clone() if self.ctx.store is not None else dist.HashStore()
         base.set_timeout(timedelta(seconds=cfg.heartbeat_timeout_s))
         self._store = dist.PrefixStore(_PREFIX, base)
-        meta = {"host": self.ctx.host, "pid": os.getpid(), "start": _start_time(os.getpid())}
+        pid = os.getpid()
+        meta = {"host": self.ctx.host, "pid": pid, "start": procinfo.start_time(pid)}
         self._store.set(f"meta/{self.rank}", json.dumps(meta))
         self._publish()
         if self.ctx.distributed:  # nobody reads a heartbeat key before it exists
@@ -208,24 +209,7 @@ class Watchdog:
 
     def instrument(self, model: nn.Module | None, optimizer: Any) -> list[Any]:
         """Hooks that move the phase without any line in the user's loop; returns handles."""
-        p = self.progress
-        handles: list[Any] = []
-        if model is not None:
-            handles.append(model.register_forward_pre_hook(lambda *_: p.enter(Phase.FORWARD)))
-            handles.append(model.register_forward_hook(lambda *_: p.enter(Phase.BACKWARD)))
-            from torch.distributed.fsdp import FSDPModule
-
-            sharded = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
-            for m in sharded:  # FSDP2 gathers per block: a hang between blocks shows as lag
-                handles.append(m.register_forward_pre_hook(lambda *_: p.tick()))
-            params = [q for q in model.parameters() if q.requires_grad]
-            if params and not sharded:
-                # the first gradient tells "backward started" apart from "still before it"
-                handles.append(params[-1].register_post_accumulate_grad_hook(lambda _: p.tick()))
-        if optimizer is not None:
-            handles.append(optimizer.register_step_pre_hook(lambda *_: p.enter(Phase.OPTIMIZER)))
-            handles.append(optimizer.register_step_post_hook(lambda *_: p.enter(Phase.STEP)))
-        return handles
+        return instrument(self.progress, model, optimizer)
 
     def report_failure(self, *, oom: bool) -> None:
         """Mark this rank failed in its heartbeat, published at once."""
@@ -361,7 +345,7 @@ class Watchdog:
         if det.kind == "no_heartbeat":
             for d in named:
                 meta = metas.get(d["rank"], {})
-                d["state"] = self._process_state(meta)
+                d["state"] = procinfo.process_state(meta, self.ctx.host)
                 d["stacks"] = self._dump_other(d["rank"], d["state"], meta)
             stopped = all(d["state"] == "stopped" for d in named)
             code = ExitCode.HANG if stopped else ExitCode.PEER_LOST
@@ -443,7 +427,8 @@ class Watchdog:
         _exit(code)
 
     def dump_stacks(self, why: str) -> Path:
-        """Append every thread's Python stack to <run_dir>/stacks/rank<R>.txt."""
+        """Append every thread's Python stack to <run_dir>/stacks/rank<R>.txt, with this
+        process's children (and their stacks, where py-spy is installed)."""
         self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
         with self.stacks_path.open("a") as f:
             now = datetime.now(timezone.utc).isoformat()
@@ -454,7 +439,14 @@ class Watchdog:
             )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        self._log.error("stacks.dumped", path=str(self.stacks_path))
+            # a stall may sit in a child (a DataLoader worker the main thread waits on)
+            kids = procinfo.children(os.getpid())
+            for kid in kids:
+                f.write(f"# child pid {kid['pid']} {kid['name']} ({kid['status']})\n")
+        for kid in kids[:8]:
+            header = f"rank {self.rank}'s child pid {kid['pid']} {kid['name']}"
+            procinfo.dump_with_pyspy(int(kid["pid"]), self.stacks_path, header)
+        self._log.error("stacks.dumped", path=str(self.stacks_path), children=kids[:8])
         return self.stacks_path
 
     # ------------------------------------------------------------------ peers
@@ -487,46 +479,19 @@ class Watchdog:
             for r, b in zip(ranks, beats, strict=True)
         ]
 
-    def _process_state(self, meta: dict[str, Any]) -> str:
-        """stopped, dead or running for a rank on this host; unknown elsewhere."""
-        if not meta or meta.get("host") != self.ctx.host:
-            return "unknown (another host)"
-        pid = int(meta["pid"])
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return "dead"
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if str(meta.get("start")) != fields[19]:
-            return "dead"  # the pid belongs to another process now
-        state = fields[0]
-        return "stopped" if state in "Tt" else "dead" if state in "ZX" else "running"
-
     def _dump_other(self, rank: int, state: str, meta: dict[str, Any]) -> str:
         """A rank without heartbeat cannot dump its own stacks; py-spy can, where installed."""
         if state == "dead":
             return "none: the process is gone"
         if not state.startswith(("stopped", "running")):
             return f"none: the rank is on another host ({meta.get('host')}); no heartbeat"
-        why = "stopped (SIGSTOP), it cannot run its own dump" if state == "stopped" else ""
-        pyspy = shutil.which("py-spy")
-        if pyspy is None:
-            return f"none: process {why or 'silent'}; py-spy is not installed"
+        why = "stopped (SIGSTOP), it cannot run its own dump" if state == "stopped" else "silent"
         path = Path(self.run_dir) / "stacks" / f"rank{rank}.txt"
-        try:
-            out = subprocess.run(
-                [pyspy, "dump", "--nonblocking", "--pid", str(meta["pid"])],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"none: py-spy failed: {e}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(f"\n# rank {rank} pid {meta['pid']} via py-spy (rank {self.rank}):\n")
-            f.write(out.stdout or out.stderr)
-        return str(path) if out.returncode == 0 else f"none: py-spy: {out.stderr.strip()[:200]}"
+        header = f"rank {rank} pid {meta['pid']} (by rank {self.rank})"
+        got = procinfo.dump_with_pyspy(int(meta["pid"]), path, header)
+        if got == procinfo.NO_PYSPY:
+            return f"none: process {why}; py-spy is not installed"
+        return got
 
     def _kill_stopped(self, v: dict[str, Any]) -> None:
         if not self.config.kill_stopped:
@@ -536,15 +501,6 @@ class Watchdog:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(int(d["pid"]), signal.SIGKILL)
                     self._log.warning("watchdog.killed", rank=d["rank"], pid=d["pid"])
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[19]
 
 
 def exit_now(code: int, **fields: Any) -> NoReturn:
