@@ -59,6 +59,7 @@ from resilient.runtime.watchdog import Watchdog, exit_now
 __all__ = ["Guard", "MicroBatch"]
 
 _OK, _OOM, _EXC = 0, 1, 2
+_ROLLBACK = 3  # an outcome only: every rank rolls back in place (runtime/snapshot.py)
 _LOW = 0xFFFFFFFF
 _SPLIT_KEY = "resilient/guard/split"
 SPLIT_FILE = "micro_batch_split.json"
@@ -106,6 +107,9 @@ class Guard:
         self._log = get_logger()
         self.failing = False
         """In fail_fast: a stop signal from the launcher now means "leave", not "save"."""
+        self.rollback: Callable[[int, int], bool] | None = None
+        """Set by the Runtime when snapshots are on: called on every rank with (step, failed
+        rank) once the in-place agreement found an exception; True: roll back, not exit."""
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by the Runtime: has a stop (preemption) signal arrived? Then a lost peer means
         the launcher is already taking the group down, and no verdict is worth waiting for."""
@@ -255,6 +259,8 @@ class Guard:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
             self.watchdog.progress.flags &= ~(FLAG_FAILED | FLAG_OOM)
+            if att.outcome == _ROLLBACK:  # the Runtime restores the snapshot after the body
+                return
             self.split = 2 * k
             fields = {
                 "step": self.watchdog.progress.step,
@@ -405,8 +411,11 @@ class _Attempt:
         if worst == _OOM and self.in_place and not cannot_halve:
             self.outcome = _OOM
             return
-        code = ExitCode.OOM if worst == _OOM else ExitCode.RANK_EXCEPTION
         step = g.watchdog.progress.step
+        if worst == _EXC and g.rollback is not None and g.rollback(step, self.failed_rank):
+            self.outcome = _ROLLBACK
+            return
+        code = ExitCode.OOM if worst == _OOM else ExitCode.RANK_EXCEPTION
         if rank == 0:
             g._log.error(
                 "guard.agreed",

@@ -32,6 +32,7 @@ from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
 from resilient.runtime.preempt import PreemptConfig, PreemptionWatch, coordinated_stop
 from resilient.runtime.progress import ProgressLog
+from resilient.runtime.snapshot import SnapshotConfig, Snapshots, StepCounter
 from resilient.runtime.watchdog import Watchdog, exit_now
 
 __all__ = ["ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "Runtime", "RuntimeConfig", "init"]
@@ -72,6 +73,9 @@ class RuntimeConfig:
     """Preemption signals, grace period and check interval (resilient.runtime.preempt); init()
     also takes a dict. Default: $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, which
     `resilient run` sets, else 30 s and SIGTERM,SIGUSR1."""
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig.from_env)
+    """In-memory snapshots and in-place rollback on an agreed exception (off by default;
+    resilient.runtime.snapshot); init() also takes a dict. Default: $RESILIENT_SNAPSHOT."""
     pin_ddp_buckets: bool = True
     """Fix a tracked DDP model's gradient buckets at track(), in parameter order, so every
     process, fresh or resumed, all-reduces with the same layout from its first step. Without
@@ -124,6 +128,8 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
         options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
     if isinstance(options.get("preempt"), dict):
         options["preempt"] = PreemptConfig.from_env(options["preempt"])
+    if isinstance(options.get("snapshot"), dict):
+        options["snapshot"] = SnapshotConfig.from_env(options["snapshot"])
     cfg = RuntimeConfig(
         checkpoint=ckpt, **{k: v for k, v in options.items() if k in _RUNTIME_FIELDS}
     )
@@ -175,6 +181,10 @@ class Runtime:
         self.watchdog.start()
         self.guards = Guard(self.watchdog, self.ctx, self.run_dir)
         self.guards.resume_split()
+        # resilient: in-memory snapshots; the guard may agree on a rollback (runtime/snapshot.py)
+        self.snapshots = Snapshots(config.snapshot, self.ctx)
+        if self.snapshots.enabled:
+            self.guards.rollback = self.snapshots.agree_rollback
         # resilient preemption: signals become a stop at an agreed step (runtime/preempt.py)
         self.preemption = PreemptionWatch(
             config.preempt,
@@ -252,6 +262,7 @@ class Runtime:
             )
             common["__data__"] = self._data
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
+        self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
         if model is not None and self.config.pin_ddp_buckets:
             for ddp in ddp_modules(model):
                 outcome = pin_buckets(ddp)
@@ -326,17 +337,25 @@ class Runtime:
         except BaseException:
             self.preemption.uninstall()
             raise
+        counter = StepCounter(start, end)  # resilient: a rollback rewinds it
+        self.snapshots.after_step(start, force=True)
         try:
-            for step in range(start, end):
+            for step in counter:
                 self._check_preempt(start)  # may end the run with ExitCode.PREEMPTED
                 self.watchdog.step_begin(step)
                 self._progress.begin()
                 yield step
+                if self.snapshots.pending is not None:  # agreed by the guard: every rank
+                    self.step = self.snapshots.roll_back()
+                    counter.rewind(self.step)
+                    continue
                 self._progress.end(step)  # train.progress: what `resilient report` reads
                 self.step = step + 1
                 self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
-                if self.step < end and self._should_save():
+                saved = self.step < end and self._should_save()
+                if saved:
                     self.save()
+                self.snapshots.after_step(self.step, force=saved)
             if end > start:
                 # Agreements are spread over steps (PreemptConfig.check_interval_s): a signal
                 # since the last one must still stop the run as a preemption, so the final
