@@ -26,15 +26,15 @@ def buddies(hosts: Sequence[str]) -> np.ndarray:
     host_idx = np.fromiter((order[h] for h in hosts), dtype=np.int64, count=len(hosts))
     n_hosts = len(order)
     members: list[list[int]] = [[] for _ in range(n_hosts)]
-    for r, h in enumerate(host_idx):
-        members[int(h)].append(r)
+    for r, hi in enumerate(host_idx):
+        members[int(hi)].append(r)
     out = np.empty(len(hosts), dtype=np.int64)
-    for h, ranks in enumerate(members):
+    for k, ranks in enumerate(members):
         if n_hosts == 1:  # one host: the next local rank (a process, not a host, may fail)
             for i, r in enumerate(ranks):
                 out[r] = ranks[(i + 1) % len(ranks)]
             continue
-        nxt = members[(h + 1) % n_hosts]
+        nxt = members[(k + 1) % n_hosts]
         for i, r in enumerate(ranks):
             out[r] = nxt[i % len(nxt)]
     return out
