@@ -17,15 +17,18 @@ run that never failed. A second failure of the same rank at the same step is not
 group exits as before (ExitCode.RANK_EXCEPTION) and the supervisor's crash-loop rules apply.
 
 Adaptive interval: the copy's time over the step's time, kept under `budget` (2%): snapshot
-every power-of-two number of steps that keeps it there (1 on small models). A power of two,
-so ranks whose estimates differ by a factor of two still share a snapshot step (each keeps
-two; of two consecutive multiples of N one is a multiple of 2N).
+every power-of-two number of steps that keeps it there (1 on small models), from the medians
+of the last 32 copies and steps. The ranks agree on it (MAX, one all_reduce of an int on the
+control group 4 steps after the start and every 32 steps), so they all snapshot at the same
+steps and any two snapshots a rank holds are held by every rank. Until the first agreement,
+every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +46,12 @@ from resilient.runtime._env import json_object_env
 from resilient.runtime.dist import DistContext
 
 __all__ = ["ENV_SNAPSHOT", "SnapshotConfig", "Snapshots", "StepCounter"]
+
+_WINDOW = 32
+"""Recent step and copy times the adaptive interval takes the median of."""
+_AGREE_EVERY = 32
+"""Steps between agreements on the adaptive interval (one all_reduce of an int)."""
+_MAX_EVERY = 1024
 
 ENV_SNAPSHOT = "RESILIENT_SNAPSHOT"
 """JSON object of SnapshotConfig fields, e.g. '{"enabled": true}' ("1"/"on": the defaults)."""
@@ -192,6 +201,9 @@ class Snapshots:
         self.copy_s = 0.0
         """Seconds of the last copy (what the adaptive interval weighs)."""
         self._last_t: float | None = None
+        self._start: int | None = None
+        self._step_s: list[float] = []
+        self._copy_s: list[float] = []
         self._failures: dict[tuple[int, int], int] = {}
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
@@ -230,26 +242,42 @@ class Snapshots:
 
     # ------------------------------------------------------------------ taking them
     def after_step(self, step: int, *, force: bool = False) -> None:
-        """Called after `step` steps are complete (and any save of them started)."""
+        """Called on every rank after `step` steps are complete (and any save of them
+        started). With the adaptive interval, a collective on the control group 4 steps
+        after the start and every 32 steps: every rank then snapshots at the same steps."""
         if not self.enabled or self._state is None:
             return
         now = time.perf_counter()
-        step_s = None if self._last_t is None else now - self._last_t
+        if self._last_t is not None:
+            self._step_s = [*self._step_s[-(_WINDOW - 1) :], now - self._last_t]
+        if self._start is None:
+            self._start = step
+        if self.config.every_steps is None and (
+            step - self._start == 4 or (step > self._start and step % _AGREE_EVERY == 0)
+        ):
+            self._agree_interval()
         if force or step % self.every == 0:
             self.take(step)
-            if self.config.every_steps is None and step_s is not None and step_s > 0:
-                self._adapt(step_s)
         self._last_t = time.perf_counter()
 
-    def _adapt(self, step_s: float) -> None:
-        ratio = self.copy_s / (self.config.budget * step_s)
-        every = 1 if ratio <= 1 else 2 ** math.ceil(math.log2(ratio))
+    def _agree_interval(self) -> None:
+        """The power of two that keeps this rank's copies under budget; MAX over ranks."""
+        want = 1
+        if self._copy_s and self._step_s:
+            copy_s, step_s = statistics.median(self._copy_s), statistics.median(self._step_s)
+            ratio = copy_s / (self.config.budget * step_s) if step_s > 0 else 1.0
+            want = 1 if ratio <= 1 else 2 ** math.ceil(math.log2(ratio))
+        box = torch.tensor([min(want, _MAX_EVERY)], dtype=torch.int64)
+        if self.ctx.distributed:
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        every = int(box.item())
         if every != self.every:
             self._log.info(
                 "snapshot.interval",
                 every_steps=every,
-                copy_s=round(self.copy_s, 6),
-                step_s=round(step_s, 6),
+                wanted_here=want,
+                copy_s=round(statistics.median(self._copy_s), 6) if self._copy_s else None,
+                step_s=round(statistics.median(self._step_s), 6) if self._step_s else None,
             )
             self.every = every
 
@@ -266,6 +294,7 @@ class Snapshots:
         self._steps[slot] = step
         self._newest = slot
         self.copy_s = time.perf_counter() - t0
+        self._copy_s = [*self._copy_s[-(_WINDOW - 1) :], self.copy_s]
         if self._newest >= 0 and self.bytes and (size := _nbytes(self._buf[slot])) > self.bytes:
             self._log.info("snapshot.memory", bytes_per_copy=size, copies=2, measured=True)
             self.bytes = size
