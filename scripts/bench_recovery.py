@@ -236,25 +236,42 @@ def _per_step(rec: Path) -> float:
 
 
 def _snapshot_overhead(base: Path, width: int, steps: int, pairs: int) -> dict[str, Any]:
+    """Fault-free launches, snapshots off / every step / adaptive, interleaved `pairs` times;
+    the median seconds per step of each, and each variant's ratio to the off run beside it."""
     worker = ["--steps", str(steps), "--save-every=100000", "--sleep=0"]
-    ratios, off, on, every = [], [], [], []
+    variants = {"off": {"enabled": False}, "every_step": {"enabled": True, "every_steps": 1}}
+    variants["adaptive"] = {"enabled": True}
+    per: dict[str, list[float]] = {k: [] for k in variants}
+    every: list[int] = []
+    copy_over_step: list[float] = []
     for i in range(pairs):
-        got = {}
-        for hot in (False, True):
-            d = base / f"overhead{i}-{'on' if hot else 'off'}"
-            _launch_to_end(d, _cmd(d, width, 10.0, *worker), {"enabled": hot})
-            got[hot] = _per_step(d / "rec")
-            if hot:
-                every += [e["every_steps"] for e in _events(d / "run", "snapshot.interval")]
-        off.append(got[False])
-        on.append(got[True])
-        ratios.append(got[True] / got[False])
+        for name, snap in variants.items():
+            d = base / f"overhead{i}-{name}"
+            _launch_to_end(d, _cmd(d, width, 10.0, *worker), snap)
+            per[name].append(_per_step(d / "rec"))
+            if name == "adaptive":  # the copies' own timing, as the ranks measured it
+                for e in _events(d / "run", "snapshot.interval"):
+                    every.append(e["every_steps"])
+                    if e.get("copy_s") and e.get("step_s"):
+                        copy_over_step.append(e["copy_s"] / e["step_s"])
+    ratio = {
+        k: [on / off for on, off in zip(per[k], per["off"], strict=True)]
+        for k in ("every_step", "adaptive")
+    }
     return {
-        "step_s_off": [round(x, 5) for x in off],
-        "step_s_on": [round(x, 5) for x in on],
-        "ratios": [round(x, 4) for x in ratios],
+        "step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},
+        "ratios": {k: [round(x, 4) for x in v] for k, v in ratio.items()},
         "intervals_chosen": sorted(set(every)),
-        "snapshot_overhead": round(statistics.median(ratios) - 1, 4),
+        # one copy over one step (medians each rank measured): the cost of a snapshot every
+        # step without the launches' noise; divided by the interval: at the default
+        "copy_over_step": round(statistics.median(copy_over_step), 4) if copy_over_step else None,
+        "copy_over_step_at_interval": round(
+            statistics.median(copy_over_step) / statistics.median(every), 4
+        )
+        if copy_over_step
+        else None,
+        "snapshot_overhead": round(statistics.median(ratio["every_step"]) - 1, 4),
+        "snapshot_overhead_adaptive": round(statistics.median(ratio["adaptive"]) - 1, 4),
     }
 
 
@@ -287,12 +304,23 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=None)
     ap.add_argument("--grace", type=float, default=None, help="grace period for the SIGTERM")
     ap.add_argument("--out", default=None, help="keep the run here (default: a temp dir)")
+    ap.add_argument(
+        "--overhead-only",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="only the snapshot overhead, PAIRS interleaved rounds (JSON last line)",
+    )
     args = ap.parse_args()
     width = args.width or (512 if args.quick else 2048)
     kills = args.kills or (1 if args.quick else 3)
     grace = args.grace or (10.0 if args.quick else 30.0)
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_recovery_"))
     base.mkdir(parents=True, exist_ok=True)
+    if args.overhead_only:
+        got = _snapshot_overhead(base, width, 60, args.overhead_only)
+        print(json.dumps({"bench": "snapshot_overhead", "width": width, **got}))
+        return
     run_dir, rec, ckpt = base / "run", base / "rec", base / "ckpt"
     cmd = [
         sys.executable, "-m", "resilient.cli", "run",
@@ -405,6 +433,7 @@ def main() -> None:
         "hot_over_floor": round(hot_ex["total_s"] / floor1, 3),
         "hot_steps_lost": hot_ex["steps_lost"],
         "snapshot_overhead": overhead["snapshot_overhead"],
+        "snapshot_overhead_adaptive": overhead["snapshot_overhead_adaptive"],
         "snapshot_overhead_runs": overhead,
     }
     print(json.dumps(result))

@@ -5,10 +5,10 @@ Linux is fork), and a user's code may fork too. The child is a copy of the rank 
 forking thread; it must not act as the rank. Registered objects get `_after_fork_child()`
 called in the child (os.register_at_fork): the watchdog forgets its thread and store (the
 child publishes no heartbeat, writes no verdict, and its atexit hook does not mark the rank
-closed), and the preemption watch gives the signals back to their previous handlers (a
-DataLoader worker dies of the launcher's SIGTERM, as it would without resilient, instead of
-recording a preemption it never acts on). The event log's own lock is handled in
-resilient/log.py, which holds it across fork.
+closed). The event log's own lock is handled in resilient/log.py, which holds it across fork.
+The preemption handlers are deliberately inherited: the launcher signals the rank's whole
+process group, and a DataLoader worker that died of that SIGTERM would take its rank down
+before the agreed stop (runtime/preempt.py).
 """
 
 from __future__ import annotations

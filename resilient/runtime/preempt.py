@@ -34,7 +34,6 @@ from resilient.errors import CheckpointError, ConfigError
 from resilient.log import get_logger
 from resilient.runtime._env import json_object_env
 from resilient.runtime.exitcodes import ExitCode
-from resilient.runtime.forksafe import after_fork_in_child
 
 if TYPE_CHECKING:
     from resilient.runtime.runtime import Runtime
@@ -206,13 +205,6 @@ class PreemptionWatch:
             return
         for sig in parse_signals(",".join(self.config.signals)):
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        after_fork_in_child(self)
-
-    def _after_fork_child(self) -> None:
-        # A forked child (a DataLoader worker) gets the signals' previous handlers back: it
-        # would otherwise record a preemption nobody acts on, and outlive a SIGTERM.
-        with contextlib.suppress(ValueError, OSError):
-            self.uninstall()
 
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():

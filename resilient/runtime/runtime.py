@@ -346,6 +346,7 @@ class Runtime:
                 self._progress.begin()
                 yield step
                 if self.snapshots.pending is not None:  # agreed by the guard: every rank
+                    self._progress.flush()  # the replayed steps start a new window
                     self.step = self.snapshots.roll_back()
                     counter.rewind(self.step)
                     continue
