@@ -32,6 +32,7 @@ __all__ = [
     "ENV_RUN_DIR",
     "ENV_RUN_ID",
     "ENV_SCRATCH",
+    "ENV_SNAPSHOT",
     "ENV_STOP_AT",
     "ENV_WATCHDOG",
     "TORCHELASTIC_ERROR_FILE",
@@ -78,6 +79,10 @@ collective) as `runtime.digest`."""
 ENV_SCRATCH = "RESILIENT_CHECK_SCRATCH"
 """Set by `resilient check-resume`: checkpoints and logs go under this directory whatever the
 script passes to init(), so checking never touches the script's own checkpoints."""
+
+ENV_SNAPSHOT = "RESILIENT_SNAPSHOT"
+"""In-memory snapshots for in-place rollback: "1"/"on" turns them on, or a JSON object of
+SnapshotConfig fields, e.g. '{"enabled": true, "every_steps": 8}'."""
 
 # ---------------------------------------------------------------- torch elastic's
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"

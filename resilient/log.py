@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,6 +23,11 @@ import structlog
 
 __all__ = ["EventLog", "configure", "get_logger", "log_path", "open_event_log"]
 
+# Held while an event is written (JSON file and console) and across fork(). Without it, a
+# process forked while another thread was writing an event (the watchdog's thread, say) got a
+# copy of a lock held by a thread that does not exist in it, and its own first event hung
+# forever (tests/test_fork_safety.py: with structlog's own lock, 23 of 30 children hung).
+_write_lock = threading.RLock()
 _CONSOLE_HIDDEN = {"run_id", "pid", "ts", "source", "host"}  # in the JSON file; console noise
 _LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
 
@@ -31,7 +37,8 @@ class _Stderr:
     may replace after import; structlog's PrintLogger would keep the old one)."""
 
     def msg(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        with _write_lock:
+            print(message, file=sys.stderr, flush=True)
 
     debug = info = warning = warn = error = err = critical = exception = fatal = msg
 
@@ -80,6 +87,7 @@ class EventLog:
         """Write to `path` from now on (appending; None: console only)."""
         self.close()
         if path is not None:
+            _install_fork_handlers()
             self.path = Path(path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -99,8 +107,10 @@ class EventLog:
     def _tee(self, logger: Any, method: str, ev: MutableMapping[str, Any]) -> Any:
         level = _LEVELS.get(str(ev.get("level", "info")).upper(), logging.INFO)
         if self._file is not None:
-            self._file.write(str(self._json(logger, method, dict(ev))) + "\n")
-            self._file.flush()
+            line = str(self._json(logger, method, dict(ev))) + "\n"
+            with _write_lock:
+                self._file.write(line)
+                self._file.flush()
         if level >= self.console_level:
             short = {k: v for k, v in ev.items() if k not in _CONSOLE_HIDDEN}
             return self._console(logger, method, short)
@@ -115,6 +125,34 @@ class EventLog:
 
     def error(self, event: str, **fields: Any) -> None:
         self.logger.error(event, **fields)
+
+
+def _before_fork() -> None:
+    _write_lock.acquire()  # waits until no thread is in the middle of an event
+
+
+def _after_fork_in_parent() -> None:
+    _write_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _write_lock
+    _write_lock = threading.RLock()  # the parent's copy is held by the forking thread
+
+
+_fork_handlers = False
+
+
+def _install_fork_handlers() -> None:
+    """Once per process, when the first event log opens (importing has no side effects)."""
+    global _fork_handlers
+    if not _fork_handlers:
+        os.register_at_fork(
+            before=_before_fork,
+            after_in_parent=_after_fork_in_parent,
+            after_in_child=_after_fork_in_child,
+        )
+        _fork_handlers = True
 
 
 _RUNTIME = EventLog()

@@ -1,6 +1,8 @@
 """Worker of scripts/bench_recovery.py: an MLP of a chosen width trained with DDP under
 `resilient run`. Appends {"attempt", "rank", "step", "t"} per completed step to
-<record>/rank<R>.jsonl, and with --agree N first times N back-to-back preemption checks."""
+<record>/rank<R>.jsonl, and with --agree N first times N back-to-back preemption checks.
+--micro runs the step through rt.micro_batches (the guard's in-place agreement, which an
+in-place rollback needs); --fault SPEC arms a chaos fault (chaos/faults.py) in this process."""
 
 from __future__ import annotations
 
@@ -26,7 +28,13 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.05)
     p.add_argument("--agree", type=int, default=0, help="time this many preemption checks")
     p.add_argument("--record", required=True)
+    p.add_argument("--micro", action="store_true", help="the step through rt.micro_batches")
+    p.add_argument("--fault", action="append", default=[], help="a chaos fault spec")
     args = p.parse_args()
+    if args.fault:
+        from chaos.faults import install, parse
+
+        install([parse(f) for f in args.fault])
 
     rt = resilient.init(save_every_steps=args.save_every, async_save=not args.sync)
     torch.manual_seed(0)
@@ -51,8 +59,12 @@ def main() -> None:
     for step in rt.steps(total=args.steps):
         t0 = time.perf_counter()
         x = torch.randn(8, w, generator=g)
-        loss = model(x).pow(2).mean()
-        loss.backward()
+        if args.micro:
+            for mb in rt.micro_batches(x, model=model):
+                with mb:
+                    mb.backward(model(*mb.inputs).pow(2).mean())
+        else:
+            model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         compute = time.perf_counter() - t0

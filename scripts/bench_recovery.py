@@ -15,12 +15,23 @@ one such process per rank side by side, as the restart runs them. Then SIGTERM g
 launcher: steps lost (last completed step + 1 - committed step; target 0) and the time from
 the signal to the committed checkpoint and to the launcher's exit.
 
+Hot path (issue 10), in the same run, on the same model: in-place rollback of a Python
+exception. Two more launches with a chaos `raise` in rank 1's forward at one step, run
+through rt.micro_batches: with in-memory snapshots on (the group rolls back in place, no
+process lost) and off (today's cold path: every rank exits, the supervisor restarts the
+group, which resumes from the last checkpoint). Each is timed from the fault to the first
+step every rank completes afterwards. Snapshot overhead: fault-free launches without the
+sleep between steps, snapshots off and on (the default, adaptive interval) alternated, the
+median time per step of each; the ratio on/off, median over the pairs. This is not the
+issue's kill -9 hot path (survivors re-forming their groups), which does not exist yet.
+
 The last line of output is one JSON object with the figures and ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -142,6 +153,119 @@ def _kill_cycle(run_dir: Path, rec: Path, ckpt: Path, proc: subprocess.Popen[byt
     }
 
 
+def _cmd(base: Path, width: int, grace: float, *worker: str) -> list[str]:
+    return [
+        sys.executable, "-m", "resilient.cli", "run",
+        "--nproc-per-node=2",
+        f"--run-dir={base / 'run'}",
+        f"--checkpoint-url={base / 'ckpt'}",
+        f"--grace-period={grace}",
+        "--restart-jitter=0",
+        str(WORKER),
+        f"--record={base / 'rec'}",
+        f"--width={width}",
+        *worker,
+    ]  # fmt: skip
+
+
+def _launch_to_end(base: Path, cmd: list[str], snapshot: dict[str, Any]) -> None:
+    base.mkdir(parents=True, exist_ok=True)
+    env = {**_env(), "RESILIENT_SNAPSHOT": json.dumps(snapshot)}
+    with (base / "launcher.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if code != 0:
+        raise SystemExit(f"{base.name}: the launch exited {code}; see {base / 'launcher.log'}")
+
+
+def _exception_recovery(base: Path, width: int, hot: bool, fault_step: int) -> dict[str, Any]:
+    """A chaos raise in rank 1's forward at `fault_step`; fault to the first step after it."""
+    fault = f"raise@rank=1,step={fault_step},phase=forward"
+    worker = ["--steps", str(fault_step + 6), "--save-every=5", "--sync", "--sleep=0.05"]
+    cmd = _cmd(base, width, 10.0, *worker, "--micro", f"--fault={fault}")
+    _launch_to_end(base, cmd, {"enabled": hot})
+    run_dir, recs = base / "run", [r for r in _records(base / "rec") if "t" in r]
+    t_fault = min(e["time"] for e in _events(run_dir, "chaos.fault"))
+    out: dict[str, Any] = {"hot": hot, "fault_step": fault_step}
+    if hot:
+        (agreed, *_) = _events(run_dir, "rollback.agreed")
+        done = _events(run_dir, "rollback.done")
+        to = int(agreed["to_step"])
+        # per rank, the last record of the step rolled back to (the aborted body's own
+        # record of the failing step comes first)
+        t_step = max(
+            max(r["t"] for r in recs if r["rank"] == rank and r["step"] == to and r["t"] > t_fault)
+            for rank in (0, 1)
+        )
+        out |= {
+            "agree_s": round(agreed["_t"] - t_fault, 3),
+            "restore_s": max(e["seconds"] for e in done),
+            "resumed_at": to,
+            "steps_lost": fault_step - to,
+            "processes_replaced": len(_events(run_dir, "runtime.init")) - 2,
+        }
+    else:
+        first = recs[0]["attempt"]
+        after = [r for r in recs if r["attempt"] != first]
+        step0 = min(r["step"] for r in after)
+        t_step = max(r["t"] for r in after if r["step"] == step0)
+        resumes = [e for e in _events(run_dir, "runtime.resume") if e["_t"] > t_fault]
+        out |= {"resumed_at": resumes[0]["step"], "steps_lost": fault_step - resumes[0]["step"]}
+    out["total_s"] = round(t_step - t_fault, 3)
+    return out
+
+
+def _per_step(rec: Path) -> float:
+    """Median seconds between rank 0's completed steps, the first 5 left out (warm-up)."""
+    ts = sorted(r["t"] for r in _records(rec) if r.get("rank") == 0 and "t" in r)[5:]
+    return statistics.median(b - a for a, b in itertools.pairwise(ts))
+
+
+def _snapshot_overhead(base: Path, width: int, steps: int, pairs: int) -> dict[str, Any]:
+    """Fault-free launches, snapshots off / every step / adaptive, interleaved `pairs` times;
+    the median seconds per step of each, and each variant's ratio to the off run beside it."""
+    worker = ["--steps", str(steps), "--save-every=100000", "--sleep=0"]
+    variants = {"off": {"enabled": False}, "every_step": {"enabled": True, "every_steps": 1}}
+    variants["adaptive"] = {"enabled": True}
+    per: dict[str, list[float]] = {k: [] for k in variants}
+    every: list[int] = []
+    copy_over_step: list[float] = []
+    for i in range(pairs):
+        for name, snap in variants.items():
+            d = base / f"overhead{i}-{name}"
+            _launch_to_end(d, _cmd(d, width, 10.0, *worker), snap)
+            per[name].append(_per_step(d / "rec"))
+            if name == "adaptive":  # the copies' own timing, as the ranks measured it
+                for e in _events(d / "run", "snapshot.interval"):
+                    every.append(e["every_steps"])
+                    if e.get("copy_s") and e.get("step_s"):
+                        copy_over_step.append(e["copy_s"] / e["step_s"])
+    ratio = {
+        k: [on / off for on, off in zip(per[k], per["off"], strict=True)]
+        for k in ("every_step", "adaptive")
+    }
+    return {
+        "step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},
+        "ratios": {k: [round(x, 4) for x in v] for k, v in ratio.items()},
+        "intervals_chosen": sorted(set(every)),
+        # one copy over one step (medians each rank measured): the cost of a snapshot every
+        # step without the launches' noise; divided by the interval: at the default
+        "copy_over_step": round(statistics.median(copy_over_step), 4) if copy_over_step else None,
+        "copy_over_step_at_interval": round(
+            statistics.median(copy_over_step) / statistics.median(every), 4
+        )
+        if copy_over_step
+        else None,
+        "snapshot_overhead": round(statistics.median(ratio["every_step"]) - 1, 4),
+        "snapshot_overhead_adaptive": round(statistics.median(ratio["adaptive"]) - 1, 4),
+    }
+
+
 def _floor(step_dir: Path, procs: int, *extra: str) -> float:
     """Seconds from spawning `procs` bare processes to the last one having loaded the
     checkpoint (each loads all of it, as each DDP rank does)."""
@@ -171,12 +295,23 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=None)
     ap.add_argument("--grace", type=float, default=None, help="grace period for the SIGTERM")
     ap.add_argument("--out", default=None, help="keep the run here (default: a temp dir)")
+    ap.add_argument(
+        "--overhead-only",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="only the snapshot overhead, PAIRS interleaved rounds (JSON last line)",
+    )
     args = ap.parse_args()
     width = args.width or (512 if args.quick else 2048)
     kills = args.kills or (1 if args.quick else 3)
     grace = args.grace or (10.0 if args.quick else 30.0)
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_recovery_"))
     base.mkdir(parents=True, exist_ok=True)
+    if args.overhead_only:
+        got = _snapshot_overhead(base, width, 60, args.overhead_only)
+        print(json.dumps({"bench": "snapshot_overhead", "width": width, **got}))
+        return
     run_dir, rec, ckpt = base / "run", base / "rec", base / "ckpt"
     cmd = [
         sys.executable, "-m", "resilient.cli", "run",
@@ -243,6 +378,13 @@ def main() -> None:
         _floor(step_dir, 1, "dynamo") for _ in range(1 if args.quick else 3)
     )
     total = statistics.median(c["total_s"] for c in cycles)
+    # hot path: in-place rollback of an exception, against its cold path, same model
+    hot_ex = _exception_recovery(base / "exception-hot", width, True, 12)
+    cold_ex = _exception_recovery(base / "exception-cold", width, False, 12)
+    overhead = _snapshot_overhead(base, width, 30 if args.quick else 60, 1 if args.quick else 2)
+    print(f"exception, in-place rollback: {hot_ex}")
+    print(f"exception, cold restart: {cold_ex}")
+    print(f"snapshot overhead: {overhead}")
     agree = [r["agree_us"] for r in _records(rec) if "agree_us" in r]
     steps = [r["s"] for r in _records(rec) if "s" in r]
     print(
@@ -275,6 +417,15 @@ def main() -> None:
         "sigterm": sigterm,
         "agree_us": round(statistics.mean(agree), 1) if agree else None,
         "step_ms": round(1e3 * statistics.median(steps), 2) if steps else None,
+        "hot_path": "in-place rollback of a Python exception (no process lost); not kill -9",
+        "exception_hot": hot_ex,
+        "exception_cold": cold_ex,
+        "hot_over_cold": round(hot_ex["total_s"] / cold_ex["total_s"], 3),
+        "hot_over_floor": round(hot_ex["total_s"] / floor1, 3),
+        "hot_steps_lost": hot_ex["steps_lost"],
+        "snapshot_overhead": overhead["snapshot_overhead"],
+        "snapshot_overhead_adaptive": overhead["snapshot_overhead_adaptive"],
+        "snapshot_overhead_runs": overhead,
     }
     print(json.dumps(result))
 

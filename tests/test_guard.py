@@ -18,8 +18,8 @@ from helpers import exit_events, launch_ranks, only_event
 
 from chaos.procs import events, latest_event
 from resilient.errors import ConfigError
+from resilient.exitcodes import ExitCode
 from resilient.runtime.dist import DistContext
-from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.guard import SPLIT_FILE, Guard
 from resilient.runtime.heartbeat import WatchdogConfig
 from resilient.runtime.watchdog import Watchdog

@@ -26,7 +26,7 @@ from helpers import (
 
 from chaos.procs import Run, events, latest_event
 from chaos.ranks import Ranks
-from resilient.runtime.exitcodes import ExitCode
+from resilient.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

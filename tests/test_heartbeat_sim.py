@@ -146,6 +146,32 @@ def test_startup_timeout_holds_until_the_first_step() -> None:
     assert found.details[0].timeout_s == 20.0
 
 
+def test_first_step_timeout_names_a_stall_right_after_a_resume() -> None:
+    """Start-up (step -1: process group, load) keeps startup_timeout_s; once the first step
+    of the attempt began (here step 8, right after a resume), a stall is named after
+    first_step_timeout_s; a checkpoint phase keeps its own, longer budget."""
+    clock = [0.0]
+    sim = Sim(2)
+    for p in sim.progress:
+        p.flags &= ~FLAG_WARM
+    c = cfg(first_step_timeout_s=8.0)
+    det = HangDetector(c, range(2), clock=lambda: clock[0])
+    sim.set(0, 0.0, phase=Phase.CHECKPOINT, step=-1, seq=3)  # still loading: start-up rules
+    sim.set(1, 0.0, phase=Phase.STARTUP, step=-1, seq=3)
+    t, found = run_until_detection(det, sim, clock, 15.0, lambda now: None)
+    assert found is None  # 15 s > first_step_timeout_s, < startup_timeout_s (20 s)
+    sim.set(0, clock[0], phase=Phase.BACKWARD, step=8, seq=9)  # waits in the all-reduce
+    sim.set(1, clock[0], phase=Phase.DATA, step=8, seq=7)  # its loader never delivers
+    start = clock[0]
+    t, found = run_until_detection(det, sim, clock, start + 30, lambda now: None)
+    assert found is not None and found.kind == "stalled" and found.ranks == (1,)
+    assert 8.0 < t - start <= 8.0 + IV + 1e-9
+    assert found.details[0].timeout_s == 8.0 and found.details[0].phase == "data"
+    assert c.first_step_timeouts()[Phase.CHECKPOINT] == 30.0  # its own budget, not less
+    assert cfg().first_step_timeout_s == 20.0  # default: timeout_s + 60 s, at most start-up
+    assert WatchdogConfig().first_step_timeout_s == 360.0  # 6 min with the defaults, not 15
+
+
 def test_a_long_phase_keeps_its_budget_while_peers_wait() -> None:
     """Rank 1 evaluates (eval timeout 30 s); its peers wait past their 5 s: no verdict until
     rank 1 itself is past 30 s."""
@@ -221,6 +247,8 @@ def test_straggler_flagged_then_cleared() -> None:
         ({"heartbeat_timeout_s": 0.9}, "at least twice"),
         ({"timeout_s": 0.4}, "must exceed heartbeat_interval_s"),
         ({"startup_timeout_s": 4}, "startup_timeout_s"),
+        ({"first_step_timeout_s": 4}, "first_step_timeout_s"),
+        ({"first_step_timeout_s": 21}, "first_step_timeout_s"),
         ({"barrier_timeout_s": 5}, "barrier_timeout_s"),
         ({"phase_timeouts_s": {"evaluate": 10}}, "unknown phase"),
         ({"phase_timeouts_s": {"eval": 0.1}}, "phase_timeouts_s"),

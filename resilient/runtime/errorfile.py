@@ -8,6 +8,7 @@ can name the rank, the exception and the step of a repeating failure.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -28,9 +29,11 @@ def install_excepthook(
     runtime does for a collective that failed because a peer is gone); if it returns, the
     exception is recorded as usual."""
     previous = sys.excepthook
+    pid = os.getpid()
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if not issubclass(exc_type, KeyboardInterrupt):
+        # a forked child (a DataLoader worker) is not the rank: its errors are not the rank's
+        if not issubclass(exc_type, KeyboardInterrupt) and os.getpid() == pid:
             if divert is not None:
                 divert(exc)
             _record(exc, step)

@@ -49,17 +49,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from resilient.errors import ConfigError
+from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
 from resilient.runtime._ddp import reset_reducer
 from resilient.runtime._torch_compat import is_peer_loss_message
 from resilient.runtime.dist import DistContext
-from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.heartbeat import FLAG_FAILED, FLAG_OOM, Phase
 from resilient.runtime.watchdog import Watchdog, exit_now
 
 __all__ = ["Guard", "MicroBatch"]
 
 _OK, _OOM, _EXC = 0, 1, 2
+_ROLLBACK = 3  # an outcome only: every rank rolls back in place (runtime/snapshot.py)
 _LOW = 0xFFFFFFFF
 _SPLIT_KEY = "resilient/guard/split"
 SPLIT_FILE = "micro_batch_split.json"
@@ -97,6 +98,9 @@ class Guard:
         self._log = get_logger()
         self.failing = False
         """In fail_fast: a stop signal from the launcher now means "leave", not "save"."""
+        self.rollback: Callable[[int, int], bool] | None = None
+        """Set by the Runtime when snapshots are on: called on every rank with (step, failed
+        rank) once the in-place agreement found an exception; True: roll back, not exit."""
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by the Runtime: has a stop (preemption) signal arrived? Then a lost peer means
         the launcher is already taking the group down, and no verdict is worth waiting for."""
@@ -246,6 +250,8 @@ class Guard:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
             self.watchdog.progress.flags &= ~(FLAG_FAILED | FLAG_OOM)
+            if att.outcome == _ROLLBACK:  # the Runtime restores the snapshot after the body
+                return
             self.split = 2 * k
             fields = {
                 "step": self.watchdog.progress.step,
@@ -396,8 +402,11 @@ class _Attempt:
         if worst == _OOM and self.in_place and not cannot_halve:
             self.outcome = _OOM
             return
-        code = ExitCode.OOM if worst == _OOM else ExitCode.RANK_EXCEPTION
         step = g.watchdog.progress.step
+        if worst == _EXC and g.rollback is not None and g.rollback(step, self.failed_rank):
+            self.outcome = _ROLLBACK
+            return
+        code = ExitCode.OOM if worst == _OOM else ExitCode.RANK_EXCEPTION
         if rank == 0:
             g._log.error(
                 "guard.agreed",

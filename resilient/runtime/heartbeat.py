@@ -1,4 +1,5 @@
-"""Heartbeats and the hang detector: what each rank publishes, and the logic that judges it.
+"""Heartbeats and the hang detector: what each rank publishes (its wire format), and the logic
+that judges it.
 
 Pure logic: no thread, no store, no torch.distributed (the watchdog in watchdog.py runs it).
 
@@ -19,24 +20,26 @@ latency is at most the timeout plus one heartbeat interval.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-import os
-import signal
 import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from resilient.envvars import ENV_WATCHDOG, json_object_env
-from resilient.errors import ConfigError
+# Phase, Progress, the flags and WatchdogConfig live in their own modules; they are re-exported
+# here, where they were first defined (chaos/ and users import them from this module).
+from resilient.runtime.phases import FLAG_FAILED, FLAG_OOM, FLAG_WARM, Phase, Progress
+from resilient.runtime.watchdog_config import ENV_WATCHDOG, WatchdogConfig
 
 __all__ = [
     "BEAT_DTYPE",
     "ENV_WATCHDOG",
+    "FLAG_FAILED",
+    "FLAG_OOM",
+    "FLAG_WARM",
     "Detection",
     "HangDetector",
     "Phase",
@@ -48,245 +51,6 @@ __all__ = [
     "decode_beats",
     "encode_beat",
 ]
-
-
-class Phase(enum.IntEnum):
-    """Where a rank's main thread is. Phases change at most a few times per micro-batch."""
-
-    STARTUP = 0
-    """From `resilient.init()` to the first step (process group, model build, resume)."""
-    STEP = 1
-    """Inside a step, in user code that no other phase covers."""
-    DATA = 2
-    FORWARD = 3
-    BACKWARD = 4
-    """Entered when the forward returns: loss, backward and the gradient all-reduce."""
-    OPTIMIZER = 5
-    AGREE = 6
-    """Control-group collectives: guard agreement, monitored barrier, save decisions."""
-    CHECKPOINT = 7
-    EVAL = 8
-    FINISH = 9
-    """After `steps()` ended: final digests, evaluation, `close()`."""
-    CLOSED = 10
-    """Left normally; no heartbeat is expected any more."""
-
-    @classmethod
-    def parse(cls, name: str | Phase) -> Phase:
-        if isinstance(name, Phase):
-            return name
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            known = ", ".join(p.name.lower() for p in cls if p is not cls.CLOSED)
-            raise ConfigError(f"unknown phase {name!r}; known phases: {known}") from None
-
-
-# Phases that hold no DDP collective: their time per step tells a straggler from its peers
-# (everyone's step time is the same once the all-reduce waits for the slowest rank).
-_LOCAL_PHASES = frozenset({Phase.DATA, Phase.FORWARD, Phase.OPTIMIZER})
-
-FLAG_WARM = 1
-"""The rank completed its first step in this attempt: the tight timeouts apply."""
-FLAG_OOM = 2
-FLAG_FAILED = 4
-"""The rank's guard caught an exception (FLAG_OOM too for an out-of-memory error)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class WatchdogConfig:
-    """Hang detection, heartbeats, the monitored barrier and the OOM guard's floor."""
-
-    enabled: bool = True
-    """Run heartbeats and the monitor. Off: no thread, no barrier, guards still agree."""
-    heartbeat_interval_s: float = 1.0
-    """Each rank publishes a heartbeat and checks for a verdict this often; it is also the
-    monitor's period, so detection takes at most the timeout plus this long."""
-    heartbeat_timeout_s: float = 30.0
-    """No heartbeat for this long: the rank's process is dead or stopped."""
-    timeout_s: float = 300.0
-    """Progress timeout of the training phases (data, forward, backward, optimizer, step,
-    agree): a live rank that stays this long in one of them is stalled."""
-    startup_timeout_s: float = 900.0
-    """Timeout of every phase until the first step of an attempt completes (process-group
-    set-up, model build, checkpoint load, the first forward); tightened after it."""
-    checkpoint_timeout_s: float = 1800.0
-    """Timeout of the checkpoint, eval and finish phases."""
-    phase_timeouts_s: dict[str, float] = field(default_factory=dict)
-    """Per-phase overrides by name, e.g. {"eval": 3600}."""
-    barrier_every_steps: int | None = 100
-    """A monitored barrier on the control group every N steps names a rank that never
-    arrives; None to skip it."""
-    barrier_timeout_s: float | None = None
-    """How long the barrier waits; default timeout_s + heartbeat_timeout_s (it must exceed
-    both, so the heartbeat monitor, which knows the phase, speaks first)."""
-    straggler_factor: float | None = 2.0
-    """Flag a rank whose time per step in local phases (data, forward, optimizer) stays above
-    this multiple of the median; None to turn straggler reports off."""
-    straggler_patience: int = 5
-    """...for this many consecutive monitor periods in which steps advanced."""
-    dump_stacks: bool = True
-    """A stalled rank writes its Python stacks to <run_dir>/stacks/rank<R>.txt before exiting."""
-    dump_signal: str | None = "SIGUSR2"
-    """Also dump stacks on this signal (faulthandler: works while stuck in C++); None: no."""
-    kill_stopped: bool = True
-    """Kill a stopped (SIGSTOP) rank on the same host once named: it cannot exit by itself and
-    would hold the launcher's shutdown for its full kill timeout."""
-    exit_grace_s: float | None = None
-    """On a verdict, how long a rank waits for every live rank to acknowledge it before
-    exiting (so nobody dies of a closed connection first); default 2 intervals + 1 s."""
-    min_micro_batch_size: int = 1
-    """The OOM guard halves the micro-batch down to this many samples, then restarts."""
-
-    def __post_init__(self) -> None:
-        iv = self.heartbeat_interval_s
-        if not 0 < iv <= 60:
-            raise ConfigError(f"heartbeat_interval_s must be in (0, 60] seconds, got {iv}")
-        if self.heartbeat_timeout_s < 2 * iv:
-            raise ConfigError(
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice "
-                f"heartbeat_interval_s ({iv}): one late beat would read as a dead rank"
-            )
-        if self.timeout_s <= iv:
-            raise ConfigError(
-                f"timeout_s ({self.timeout_s}) must exceed heartbeat_interval_s ({iv}); "
-                "raise timeout_s or publish heartbeats more often"
-            )
-        if self.startup_timeout_s < self.timeout_s:
-            raise ConfigError(
-                f"startup_timeout_s ({self.startup_timeout_s}) must be >= timeout_s "
-                f"({self.timeout_s}): the first step also builds buckets, spawns loader "
-                "workers and loads the checkpoint"
-            )
-        if self.checkpoint_timeout_s <= iv:
-            raise ConfigError(f"checkpoint_timeout_s must exceed heartbeat_interval_s ({iv})")
-        for name, value in self.phase_timeouts_s.items():
-            phase = Phase.parse(name)
-            if phase in (Phase.CLOSED,) or not value > iv:
-                raise ConfigError(
-                    f"phase_timeouts_s[{name!r}] = {value}: must be a phase other than closed "
-                    f"with a timeout above heartbeat_interval_s ({iv})"
-                )
-        if self.barrier_timeout_s is None:
-            self.barrier_timeout_s = self.timeout_s + self.heartbeat_timeout_s
-        if self.barrier_timeout_s <= max(self.timeout_s, self.heartbeat_timeout_s):
-            raise ConfigError(
-                f"barrier_timeout_s ({self.barrier_timeout_s}) must exceed timeout_s "
-                f"({self.timeout_s}) and heartbeat_timeout_s ({self.heartbeat_timeout_s}): "
-                "heartbeat interval < timeouts < barrier timeout"
-            )
-        if self.barrier_every_steps is not None and self.barrier_every_steps < 1:
-            raise ConfigError(
-                f"barrier_every_steps must be >= 1 or None, got {self.barrier_every_steps}"
-            )
-        if self.straggler_factor is not None and not self.straggler_factor > 1:
-            raise ConfigError(f"straggler_factor must be > 1 or None, got {self.straggler_factor}")
-        if self.straggler_patience < 1:
-            raise ConfigError(f"straggler_patience must be >= 1, got {self.straggler_patience}")
-        if self.dump_signal is not None and not isinstance(
-            getattr(signal, self.dump_signal, None), signal.Signals
-        ):
-            raise ConfigError(f"dump_signal {self.dump_signal!r} is not a signal name (SIGUSR2)")
-        if self.exit_grace_s is None:
-            self.exit_grace_s = 2 * iv + 1.0
-        if self.exit_grace_s < 0:
-            raise ConfigError(f"exit_grace_s must be >= 0, got {self.exit_grace_s}")
-        if self.min_micro_batch_size < 1:
-            raise ConfigError(f"min_micro_batch_size must be >= 1, got {self.min_micro_batch_size}")
-
-    @classmethod
-    def from_env(cls, overrides: Mapping[str, Any] | None = None) -> WatchdogConfig:
-        """Defaults, then $RESILIENT_WATCHDOG, then `overrides`. ConfigError on unknown keys."""
-        fields: dict[str, Any] = {}
-        raw = os.environ.get(ENV_WATCHDOG, "").strip()
-        if raw.lower() in {"0", "off", "false", "no"}:
-            fields["enabled"] = False
-        else:
-            fields.update(json_object_env(ENV_WATCHDOG))
-        fields.update(overrides or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(fields) - known
-        if unknown:
-            raise ConfigError(
-                f"unknown watchdog option(s) {sorted(unknown)}; valid: {sorted(known)}"
-            )
-        return cls(**fields)
-
-    def phase_timeouts(self) -> tuple[np.ndarray, np.ndarray]:
-        """(after the first step, before it): a timeout per Phase value; CLOSED never times out."""
-        warm = np.full(len(Phase), self.timeout_s, dtype=np.float64)
-        for p in (Phase.CHECKPOINT, Phase.EVAL, Phase.FINISH):
-            warm[p] = self.checkpoint_timeout_s
-        warm[Phase.STARTUP] = self.startup_timeout_s
-        for name, value in self.phase_timeouts_s.items():
-            warm[Phase.parse(name)] = value
-        warm[Phase.CLOSED] = math.inf
-        cold = np.maximum(warm, self.startup_timeout_s)
-        return warm, cold
-
-
-class Progress:
-    """The main thread's position, read by the heartbeat thread. Updates are a few attribute
-    stores (atomic under the GIL), cheap enough for every phase change."""
-
-    __slots__ = (
-        "_x",
-        "flags",
-        "local_ema",
-        "local_s",
-        "phase",
-        "seq",
-        "since",
-        "step",
-        "steps_done",
-    )
-
-    def __init__(self) -> None:
-        self.phase = Phase.STARTUP
-        self.step = -1
-        self.seq = 0
-        self.since = time.monotonic()
-        self.flags = 0
-        self.local_s = 0.0
-        self.local_ema = 0.0
-        self.steps_done = 0
-
-    def enter(self, phase: Phase) -> None:
-        """Move to `phase` (counts as progress even when it is the current one)."""
-        self._set(phase)
-
-    def resume(self, phase: Phase) -> None:
-        """Return to `phase` after a nested one (progress, but not a new entry into it)."""
-        self._set(phase)
-
-    def _set(self, phase: Phase) -> None:
-        now = time.monotonic()
-        if self.phase in _LOCAL_PHASES:
-            self.local_s += now - self.since
-        self.phase = phase
-        self.since = now
-        self.seq += 1
-
-    def tick(self) -> None:
-        """Progress inside the current phase (a sharded block's forward, the first gradient)."""
-        now = time.monotonic()
-        if self.phase in _LOCAL_PHASES:
-            self.local_s += now - self.since
-        self.since = now
-        self.seq += 1
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-        self.local_s = 0.0
-        self.enter(Phase.STEP)
-
-    def end_step(self) -> None:
-        self.tick()  # close the open local interval
-        first = not self.flags & FLAG_WARM
-        self.local_ema = self.local_s if first else 0.5 * self.local_ema + 0.5 * self.local_s
-        self.flags |= FLAG_WARM
-        self.steps_done += 1
-
 
 _BEAT = struct.Struct("<IIqBBff")
 BEAT_DTYPE = np.dtype(
@@ -399,6 +163,7 @@ class HangDetector:
         self._seen = np.full(n, clock(), dtype=np.float64)
         self._age = np.zeros(n, dtype=np.float64)
         self._warm_t, self._cold_t = config.phase_timeouts()
+        self._first_t = config.first_step_timeouts()
         self._strag_count = np.zeros(n, dtype=np.int64)
         self._strag_flagged = np.zeros(n, dtype=bool)
         self._strag_step = -1
@@ -419,7 +184,10 @@ class HangDetector:
         dead = active & (silent > self.config.heartbeat_timeout_s)
         flags = beats["flags"]
         warm = (flags & FLAG_WARM) != 0
-        limit = np.where(warm, self._warm_t[phase], self._cold_t[phase])
+        # before the first step began (step -1): start-up; inside it: the first step's
+        # allowance, so a stall right after a resume is named in the first-step timeout
+        cold = np.where(beats["step"] >= 0, self._first_t[phase], self._cold_t[phase])
+        limit = np.where(warm, self._warm_t[phase], cold)
         progress_age = self._age + silent
         if dead.any():
             named, kind = dead, "no_heartbeat"

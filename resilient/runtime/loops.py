@@ -24,9 +24,11 @@ from resilient.errors import ConfigError
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext
 from resilient.runtime.fingerprint import StepFingerprints
+from resilient.runtime.guard import Guard
 from resilient.runtime.heartbeat import Phase
 from resilient.runtime.preempt import PreemptionWatch
 from resilient.runtime.progress import ProgressLog
+from resilient.runtime.snapshot import Snapshots, StepCounter
 from resilient.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ class Loops:
     checkpoints: CheckpointStore
     watchdog: Watchdog
     preemption: PreemptionWatch
+    snapshots: Snapshots
+    guards: Guard
     step: int
     _batches: ResumableBatches | None
     _progress: ProgressLog
@@ -108,12 +112,20 @@ class Loops:
         forced = _env_stop()  # `resilient check-resume` stops a run halfway
         end = end if forced is None else min(end, forced)
         start = self._enter_loop()
+        counter = StepCounter(start, end)  # a rollback rewinds it
+        self.snapshots.after_step(start, force=True)
         try:
-            for step in range(start, end):
+            for step in counter:
                 self._check_preempt(start)  # may end the run with ExitCode.PREEMPTED
                 self._progress.begin()
                 self._open_step(step)
                 yield step
+                if self.snapshots.pending is not None:  # agreed by the guard: every rank
+                    self._open = None
+                    self._progress.flush()  # the replayed steps start a new window
+                    self.step = self.snapshots.roll_back()
+                    counter.rewind(self.step)
+                    continue
                 self._close_step(end)
             self._finish_loop(start)
         finally:
@@ -152,6 +164,9 @@ class Loops:
         batches = self._batches
         start = self._enter_loop()
         loop = self._epoch_loop = _EpochLoop(self, start, _env_stop())
+        # Nothing here rewinds the user's inner loop over rt.batches(), so an agreed failure
+        # takes the cold path (a restart from the checkpoint) rather than a rollback.
+        rollback, self.guards.rollback = self.guards.rollback, None
         try:
             while batches.epoch < n and not loop.stopped:
                 epoch = loop.epoch = batches.epoch
@@ -176,6 +191,7 @@ class Loops:
             self._finish_loop(start)
         finally:
             self._epoch_loop = None
+            self.guards.rollback = rollback
             self._leave_loop()
         self.log.info(ev.RUNTIME_DONE, step=self.step, epoch=batches.epoch, total_epochs=n)
 
@@ -203,8 +219,10 @@ class Loops:
         self._fp.end(step)  # step.fingerprint, and the replay check after a resume
         self.step = step + 1
         self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
-        if (end is None or self.step < end) and self._should_save():
+        saved = (end is None or self.step < end) and self._should_save()
+        if saved:
             self.save()
+        self.snapshots.after_step(self.step, force=saved)
 
     def _finish_loop(self, start: int) -> None:
         if self.step > start or self._open is not None:

@@ -40,8 +40,8 @@ from resilient.envvars import (  # the launcher's contract, re-exported here
     parse_signals,
 )
 from resilient.errors import ConfigError
+from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
-from resilient.runtime.exitcodes import ExitCode
 
 __all__ = [
     "DEFAULT_GRACE_S",

@@ -25,18 +25,19 @@ from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
 from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, ENV_SCRATCH  # re-exported
 from resilient.errors import CheckpointError, ConfigError
+from resilient.exitcodes import ExitCode
 from resilient.runtime._ddp import ddp_modules, pin_buckets
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
 from resilient.runtime.elastic import DataPosition
 from resilient.runtime.errorfile import install_excepthook
-from resilient.runtime.exitcodes import ExitCode
 from resilient.runtime.fingerprint import ReplayCheck, StepFingerprints
 from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
 from resilient.runtime.loops import Loops
 from resilient.runtime.preempt import PreemptConfig, Preempted, PreemptionWatch
 from resilient.runtime.progress import ProgressLog
+from resilient.runtime.snapshot import SnapshotConfig, Snapshots
 from resilient.runtime.watchdog import Watchdog, exit_now
 
 __all__ = [
@@ -80,6 +81,9 @@ class RuntimeConfig:
     """Preemption signals, grace period and check interval (resilient.runtime.preempt); init()
     also takes a dict. Default: $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, which
     `resilient run` sets, else 30 s and SIGTERM,SIGUSR1."""
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig.from_env)
+    """In-memory snapshots and in-place rollback on an agreed exception (off by default;
+    resilient.runtime.snapshot); init() also takes a dict. Default: $RESILIENT_SNAPSHOT."""
     pin_ddp_buckets: bool = True
     """Fix a tracked DDP model's gradient buckets at track(), in parameter order, so every
     process, fresh or resumed, all-reduces with the same layout from its first step. Without
@@ -136,6 +140,8 @@ def init(checkpoint_dir: str | os.PathLike[str] | None = None, **options: Any) -
         options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
     if isinstance(options.get("preempt"), dict):
         options["preempt"] = PreemptConfig.from_env(options["preempt"])
+    if isinstance(options.get("snapshot"), dict):
+        options["snapshot"] = SnapshotConfig.from_env(options["snapshot"])
     cfg = RuntimeConfig(
         checkpoint=ckpt, **{k: v for k, v in options.items() if k in _RUNTIME_FIELDS}
     )
@@ -199,6 +205,10 @@ class Runtime(Loops):
         self.watchdog.start()
         self.guards = Guard(self.watchdog, self.ctx, self.run_dir)
         self.guards.resume_split()
+        # resilient: in-memory snapshots; the guard may agree on a rollback (runtime/snapshot.py)
+        self.snapshots = Snapshots(config.snapshot, self.ctx)
+        if self.snapshots.enabled:
+            self.guards.rollback = self.snapshots.agree_rollback
         # resilient preemption: signals become a stop at an agreed step (runtime/preempt.py)
         self.preemption = PreemptionWatch(
             config.preempt,
@@ -280,6 +290,7 @@ class Runtime(Loops):
             )
             common["__data__"] = self._data
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
+        self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
         if model is not None and self.config.pin_ddp_buckets:
             for ddp in ddp_modules(model):
                 outcome = pin_buckets(ddp)

@@ -1,17 +1,11 @@
-"""The watchdog: heartbeats from a daemon thread, the monitor, verdicts, and the group's exit.
+"""The watchdog: heartbeats from a daemon thread, the monitor, and the monitored barrier.
 
 Every rank runs one daemon thread that, each `heartbeat_interval_s`, publishes its heartbeat
 to the launcher's store (its own connection, under the attempt's prefix) and looks for a
 verdict. Rank 0's thread also judges every rank's heartbeats (HangDetector); the others
 judge only rank 0's liveness, so a dead or stopped rank 0 is caught too. Store traffic per
-period: one set and one check per rank, one multi_get on rank 0.
-
-A verdict is one JSON object in the store, written by the first rank to claim it (so one
-event names the cause). Every rank then exits the same way, whatever its main thread is
-doing (blocked in a gloo collective included): the named live ranks dump their Python stacks,
-each rank acknowledges, waits briefly for the others' acknowledgements (nobody should die of a
-closed connection before it read the verdict), flushes its logs and calls os._exit with the
-verdict's code, so torchrun restarts the group. The watchdog never joins a collective itself.
+period: one set and one check per rank, one multi_get on rank 0. What a finding becomes (a
+verdict every rank carries out, os._exit with its code) is the protocol in verdict.py.
 """
 
 from __future__ import annotations
@@ -22,44 +16,41 @@ import faulthandler
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import torch.distributed as dist
 from torch import nn
 
+from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
+from resilient.runtime import procinfo
 from resilient.runtime.dist import DistContext
-from resilient.runtime.exitcodes import ExitCode
+from resilient.runtime.forksafe import after_fork_in_child
 from resilient.runtime.heartbeat import (
     FLAG_FAILED,
     FLAG_OOM,
-    Detection,
     HangDetector,
     Phase,
     Progress,
     WatchdogConfig,
-    decode_beats,
     encode_beat,
 )
+from resilient.runtime.instrument import instrument
+from resilient.runtime.verdict import STORE_ERRORS, Verdicts, exit_now, hard_exit
 
-__all__ = ["Watchdog", "exit_now"]
+__all__ = ["Watchdog", "exit_now"]  # exit_now: from verdict.py, where it lives
 
 _PREFIX = "watchdog"
 _BARRIER_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-# Exceptions a store call raises when the store is unreachable or a key never shows.
-_STORE_ERRORS = (dist.DistError, RuntimeError, OSError)
 
 
-class Watchdog:
+class Watchdog(Verdicts):
     """Heartbeats, the hang monitor, the monitored barrier and the group's coordinated exit.
 
     Created and started by the Runtime. `progress` is the main thread's position; the
@@ -104,7 +95,8 @@ class Watchdog:
         base = self.ctx.store.clone() if self.ctx.store is not None else dist.HashStore()
         base.set_timeout(timedelta(seconds=cfg.heartbeat_timeout_s))
         self._store = dist.PrefixStore(_PREFIX, base)
-        meta = {"host": self.ctx.host, "pid": os.getpid(), "start": _start_time(os.getpid())}
+        pid = os.getpid()
+        meta = {"host": self.ctx.host, "pid": pid, "start": procinfo.start_time(pid)}
         self._store.set(f"meta/{self.rank}", json.dumps(meta))
         self._publish()
         if self.ctx.distributed:  # nobody reads a heartbeat key before it exists
@@ -121,6 +113,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="resilient-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop, barrier=False)
+        after_fork_in_child(self)  # a DataLoader worker is not this rank (runtime/forksafe.py)
 
     def stop(self, *, barrier: bool = False) -> None:
         """Say "closed" (peers stop expecting heartbeats) and stop the thread. Idempotent.
@@ -137,7 +130,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=self.config.heartbeat_timeout_s)
         self._thread = None
-        with contextlib.suppress(*_STORE_ERRORS):
+        with contextlib.suppress(*STORE_ERRORS):
             self._publish()
         if self._signal_file is not None and self.config.dump_signal is not None:
             faulthandler.unregister(getattr(signal, self.config.dump_signal))
@@ -145,6 +138,17 @@ class Watchdog:
             self._signal_file = None
         atexit.unregister(self.stop)
         self._log.debug("watchdog.stopped", ticks=self.ticks, cpu_s=round(self.cpu_s, 4))
+
+    def _after_fork_child(self) -> None:
+        """In a forked child: no thread, no store, fresh locks (the parent's may be held by
+        its heartbeat thread, which the child does not have)."""
+        self._thread = None
+        self._store = None
+        self._stop = threading.Event()
+        self._stop.set()
+        self._publish_lock = threading.Lock()
+        self._exit_lock = threading.Lock()
+        self._signal_file = None
 
     # ------------------------------------------------------------------ main-thread API
     @contextlib.contextmanager
@@ -195,85 +199,14 @@ class Watchdog:
 
     def instrument(self, model: nn.Module | None, optimizer: Any) -> list[Any]:
         """Hooks that move the phase without any line in the user's loop; returns handles."""
-        p = self.progress
-        handles: list[Any] = []
-        if model is not None:
-            handles.append(model.register_forward_pre_hook(lambda *_: p.enter(Phase.FORWARD)))
-            handles.append(model.register_forward_hook(lambda *_: p.enter(Phase.BACKWARD)))
-            from torch.distributed.fsdp import FSDPModule
-
-            sharded = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
-            for m in sharded:  # FSDP2 gathers per block: a hang between blocks shows as lag
-                handles.append(m.register_forward_pre_hook(lambda *_: p.tick()))
-            params = [q for q in model.parameters() if q.requires_grad]
-            if params and not sharded:
-                # the first gradient tells "backward started" apart from "still before it"
-                handles.append(params[-1].register_post_accumulate_grad_hook(lambda _: p.tick()))
-        if optimizer is not None:
-            handles.append(optimizer.register_step_pre_hook(lambda *_: p.enter(Phase.OPTIMIZER)))
-            handles.append(optimizer.register_step_post_hook(lambda *_: p.enter(Phase.STEP)))
-        return handles
+        return instrument(self.progress, model, optimizer)
 
     def report_failure(self, *, oom: bool) -> None:
         """Mark this rank failed in its heartbeat, published at once."""
         self.progress.flags |= FLAG_FAILED | (FLAG_OOM if oom else 0)
         if self.active:
-            with contextlib.suppress(*_STORE_ERRORS):
+            with contextlib.suppress(*STORE_ERRORS):
                 self._publish()
-
-    def verdict_pending(self) -> bool:
-        if self._store is None:
-            return False
-        try:
-            return bool(self._store.check(["verdict"]))
-        except _STORE_ERRORS:
-            return False
-
-    def wait_for_verdict(self, timeout: float) -> None:
-        """Wait up to `timeout` s for a verdict and carry it out (then this never returns)."""
-        if self._store is None:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.verdict_pending():
-                self._follow()
-            time.sleep(min(0.05, self.config.heartbeat_interval_s / 4))
-
-    def abort(
-        self,
-        *,
-        kind: str,
-        code: ExitCode,
-        ranks: list[int],
-        reason: str,
-        expect_acks: int | None = None,
-        **fields: Any,
-    ) -> NoReturn:
-        """Take the whole group down: publish a verdict naming `ranks`, then exit with `code`.
-
-        A verdict published first by someone else wins (it is carried out instead).
-        """
-        if self._store is None:  # no watchdog: peers learn of it from closed connections
-            self._log.error("watchdog.exit", code=int(code), kind=kind, ranks=ranks, reason=reason)
-            _exit(code)
-        if self.verdict_pending():
-            self._follow()
-        named = self._describe(ranks)
-        verdict = {
-            "kind": kind,
-            "code": int(code),
-            "ranks": ranks,
-            "named": named,
-            "blocked": [],
-            "n_blocked": 0,
-            "by": self.rank,
-            "reason": reason,
-            "dump": ranks if kind == "barrier" else [],
-            "expect_acks": self.ctx.world_size if expect_acks is None else expect_acks,
-            **fields,
-        }
-        verdict, won = self._claim(verdict)
-        self._execute(verdict, won)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -284,7 +217,7 @@ class Watchdog:
             try:
                 self._tick()
                 self._store_trouble_since = None
-            except _STORE_ERRORS as e:
+            except STORE_ERRORS as e:
                 if self._stop.is_set():
                     return
                 self._store_trouble(e)
@@ -335,215 +268,4 @@ class Watchdog:
                 exit_code=int(ExitCode.PEER_LOST),
             )
             self._log.error("watchdog.exit", code=int(ExitCode.PEER_LOST), kind="store_lost")
-            _exit(ExitCode.PEER_LOST)
-
-    # ------------------------------------------------------------------ verdicts
-    def _verdict(self, det: Detection) -> dict[str, Any]:
-        metas = self._metas(list(det.ranks[:64]))
-        named: list[dict[str, Any]] = []
-        for st in det.details:
-            meta = metas.get(st.rank, {})
-            named.append({**st.as_dict(), "host": meta.get("host"), "pid": meta.get("pid")})
-        dump: list[int] = []
-        if det.kind == "no_heartbeat":
-            for d in named:
-                meta = metas.get(d["rank"], {})
-                d["state"] = self._process_state(meta)
-                d["stacks"] = self._dump_other(d["rank"], d["state"], meta)
-            stopped = all(d["state"] == "stopped" for d in named)
-            code = ExitCode.HANG if stopped else ExitCode.PEER_LOST
-            reason = f"no heartbeat for {max(s.silent_s for s in det.details):.1f} s"
-        elif det.kind == "failed":
-            code = ExitCode.OOM if any(s.oom for s in det.details) else ExitCode.RANK_EXCEPTION
-            reason = "a failed rank waits at the guard's agreement while its peers are stuck"
-        else:
-            code = ExitCode.HANG
-            dump = list(det.ranks)
-            for d in named:
-                d["stacks"] = str(Path(self.run_dir) / "stacks" / f"rank{d['rank']}.txt")
-            reason = "no progress past the phase timeout"
-        return {
-            "kind": det.kind,
-            "code": int(code),
-            "ranks": list(det.ranks),
-            "named": named,
-            "blocked": list(det.blocked[:64]),
-            "n_blocked": len(det.blocked),
-            "by": self.rank,
-            "reason": reason,
-            "dump": dump if self.config.dump_stacks else [],
-            "expect_acks": self.ctx.world_size
-            - (len(det.ranks) if det.kind == "no_heartbeat" else 0),
-        }
-
-    def _claim(self, verdict: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Publish `verdict` unless another rank's came first; returns (the verdict, won)."""
-        try:
-            if self._store.add("claim", 1) == 1:
-                self._store.set("verdict", json.dumps(verdict))
-                return verdict, True
-            deadline = time.monotonic() + self.config.heartbeat_timeout_s
-            while time.monotonic() < deadline:  # the winner writes it right after claiming
-                if self._store.check(["verdict"]):
-                    return json.loads(self._store.get("verdict")), False
-                time.sleep(0.01)
-        except _STORE_ERRORS as e:
-            self._log.warning("watchdog.store_error", error=str(e)[:300])
-        return verdict, False
-
-    def _follow(self) -> NoReturn:
-        try:
-            verdict = json.loads(self._store.get("verdict"))
-        except _STORE_ERRORS as e:
-            verdict = {"kind": "store_lost", "code": int(ExitCode.PEER_LOST), "ranks": []}
-            self._log.warning("watchdog.store_error", error=str(e)[:300])
-        self._execute(verdict, won=False)
-
-    def _execute(self, v: dict[str, Any], won: bool) -> NoReturn:
-        if not self._exit_lock.acquire(blocking=False):
-            while True:  # the other thread is carrying out a verdict and will exit the process
-                time.sleep(3600)
-        code = ExitCode(int(v["code"]))
-        if won:
-            event = "hang.detected" if code == ExitCode.HANG else "fault.detected"
-            fields = {k: v[k] for k in v if k not in ("code", "dump", "expect_acks", "by")}
-            self._log.error(event, **fields, exit_code=int(code))
-            self._kill_stopped(v)
-        try:
-            if self.rank in v.get("dump", ()):
-                self.dump_stacks(str(v.get("reason", "")))
-            self._store.add("ack", 1)
-        except _STORE_ERRORS as e:
-            self._log.warning("watchdog.store_error", error=str(e)[:300])
-        self._log.error(
-            "watchdog.exit",
-            code=int(code),
-            kind=v.get("kind"),
-            ranks=v.get("ranks"),
-            decided_by=v.get("by"),
-        )
-        deadline = time.monotonic() + float(self.config.exit_grace_s or 0)
-        expected = int(v.get("expect_acks", self.ctx.world_size))
-        with contextlib.suppress(*_STORE_ERRORS):
-            while time.monotonic() < deadline and self._store.add("ack", 0) < expected:
-                time.sleep(min(0.05, self.config.heartbeat_interval_s / 4))
-        _exit(code)
-
-    def dump_stacks(self, why: str) -> Path:
-        """Append every thread's Python stack to <run_dir>/stacks/rank<R>.txt."""
-        self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.stacks_path.open("a") as f:
-            now = datetime.now(timezone.utc).isoformat()
-            f.write(
-                f"\n# rank {self.rank} restart {self.ctx.restart} pid {os.getpid()} "
-                f"step {self.progress.step} phase {self.progress.phase.name.lower()} "
-                f"at {now}: {why}\n"
-            )
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        self._log.error("stacks.dumped", path=str(self.stacks_path))
-        return self.stacks_path
-
-    # ------------------------------------------------------------------ peers
-    def _metas(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
-        if not ranks:
-            return {}
-        try:
-            raw = self._store.multi_get([f"meta/{r}" for r in ranks])
-        except _STORE_ERRORS:
-            return {}
-        return {r: json.loads(m) for r, m in zip(ranks, raw, strict=True)}
-
-    def _describe(self, ranks: list[int]) -> list[dict[str, Any]]:
-        """Last heartbeat and identity of `ranks` (for verdicts raised from the main thread)."""
-        if not ranks:
-            return []
-        metas = self._metas(ranks)
-        try:
-            beats = decode_beats(self._store.multi_get([f"hb/{r}" for r in ranks]))
-        except _STORE_ERRORS:
-            return [{"rank": r} for r in ranks]
-        return [
-            {
-                "rank": r,
-                "step": int(b["step"]),
-                "phase": Phase(min(int(b["phase"]), int(Phase.CLOSED))).name.lower(),
-                "host": metas.get(r, {}).get("host"),
-                "pid": metas.get(r, {}).get("pid"),
-            }
-            for r, b in zip(ranks, beats, strict=True)
-        ]
-
-    def _process_state(self, meta: dict[str, Any]) -> str:
-        """stopped, dead or running for a rank on this host; unknown elsewhere."""
-        if not meta or meta.get("host") != self.ctx.host:
-            return "unknown (another host)"
-        pid = int(meta["pid"])
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return "dead"
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if str(meta.get("start")) != fields[19]:
-            return "dead"  # the pid belongs to another process now
-        state = fields[0]
-        return "stopped" if state in "Tt" else "dead" if state in "ZX" else "running"
-
-    def _dump_other(self, rank: int, state: str, meta: dict[str, Any]) -> str:
-        """A rank without heartbeat cannot dump its own stacks; py-spy can, where installed."""
-        if state == "dead":
-            return "none: the process is gone"
-        if not state.startswith(("stopped", "running")):
-            return f"none: the rank is on another host ({meta.get('host')}); no heartbeat"
-        why = "stopped (SIGSTOP), it cannot run its own dump" if state == "stopped" else ""
-        pyspy = shutil.which("py-spy")
-        if pyspy is None:
-            return f"none: process {why or 'silent'}; py-spy is not installed"
-        path = Path(self.run_dir) / "stacks" / f"rank{rank}.txt"
-        try:
-            out = subprocess.run(
-                [pyspy, "dump", "--nonblocking", "--pid", str(meta["pid"])],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"none: py-spy failed: {e}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(f"\n# rank {rank} pid {meta['pid']} via py-spy (rank {self.rank}):\n")
-            f.write(out.stdout or out.stderr)
-        return str(path) if out.returncode == 0 else f"none: py-spy: {out.stderr.strip()[:200]}"
-
-    def _kill_stopped(self, v: dict[str, Any]) -> None:
-        if not self.config.kill_stopped:
-            return
-        for d in v.get("named", []):
-            if d.get("state") == "stopped" and d.get("pid"):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(int(d["pid"]), signal.SIGKILL)
-                    self._log.warning("watchdog.killed", rank=d["rank"], pid=d["pid"])
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[19]
-
-
-def exit_now(code: int, **fields: Any) -> NoReturn:
-    """Log `watchdog.exit` with `fields`, flush, and leave with `code` (no verdict needed:
-    used where every rank reached the same decision together)."""
-    get_logger().error("watchdog.exit", code=int(code), **fields)
-    _exit(code)
-
-
-def _exit(code: int) -> NoReturn:
-    """Leave now: no atexit, no joins (a thread may be stuck in a collective forever)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to save
-            stream.flush()
-    os._exit(int(code))
+            hard_exit(ExitCode.PEER_LOST)

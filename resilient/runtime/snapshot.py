@@ -1,0 +1,355 @@
+"""In-memory snapshots of the training state, and the in-place rollback they allow.
+
+Every `every_steps` steps (default: adaptive, see below) each rank copies what a checkpoint of
+it would hold into host memory: its model and optimizer shards (DTensor shards stay local:
+no collective), the common state (step, scheduler, extras) and its per-rank state (RNG, data
+position). Two buffers: the newest complete snapshot stays intact while the next is copied
+into the other one, so a failure during a copy still has a complete snapshot to go back to.
+Snapshots are local to the rank (no replica yet): they cover failures inside a live process,
+a Python exception, not a lost process.
+
+Rollback. When the guard's in-place agreement (runtime/guard.py, DDP micro-batches) finds
+that a rank raised, every rank agrees on the newest snapshot step all ranks hold (one
+all_reduce on the control group, on the failure path only). The rest of the step's body runs
+with zeroed gradients; after it, `Runtime.steps()` puts the snapshot back into the live
+objects and continues from that step: the same batches, the same RNG, the same result as a
+run that never failed. A second failure of the same rank at the same step is not retried: the
+group exits as before (ExitCode.RANK_EXCEPTION) and the supervisor's crash-loop rules apply.
+
+Adaptive interval: the copy's time over the step's time, kept under `budget` (2%): snapshot
+every power-of-two number of steps that keeps it there (1 on small models), from the medians
+of the last 32 copies and steps. The ranks agree on it (MAX, one all_reduce of an int on the
+control group 4 steps after the start and every 32 steps), so they all snapshot at the same
+steps and any two snapshots a rank holds are held by every rank. Until the first agreement,
+every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from resilient.checkpoint import TrainState
+from resilient.envvars import ENV_SNAPSHOT, json_object_env
+from resilient.errors import ConfigError
+from resilient.log import get_logger
+from resilient.runtime.dist import DistContext
+
+__all__ = ["ENV_SNAPSHOT", "SnapshotConfig", "Snapshots", "StepCounter"]
+
+_WINDOW = 32
+"""Recent step and copy times the adaptive interval takes the median of."""
+_AGREE_EVERY = 32
+"""Steps between agreements on the adaptive interval (one all_reduce of an int)."""
+_MAX_EVERY = 1024
+
+
+@dataclass(kw_only=True, slots=True)
+class SnapshotConfig:
+    """In-memory snapshots and in-place rollback (resilient.runtime.snapshot)."""
+
+    enabled: bool = False
+    """Keep snapshots and roll back in place on an agreed exception. Costs host memory: two
+    copies of this rank's checkpoint state (checked at track())."""
+    every_steps: int | None = None
+    """Snapshot after every N steps; None: adaptive, a power of two that keeps the copy
+    under `budget` of the step time (typically 1 on small models)."""
+    budget: float = 0.02
+    """Share of step time the adaptive interval allows the copies."""
+    memory_fraction: float = 0.5
+    """Both buffers together may take at most this share of the host memory available at
+    track(); more is a ConfigError there, never an out-of-memory kill mid-run."""
+    max_retries_per_step: int = 1
+    """Rollbacks for a failure of the same rank at the same step; one more goes cold."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ConfigError(f"snapshot every_steps must be >= 1 or None, got {self.every_steps}")
+        if not 0 < self.budget < 1:
+            raise ConfigError(f"snapshot budget must be in (0, 1), got {self.budget}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(
+                f"snapshot memory_fraction must be in (0, 1], got {self.memory_fraction}"
+            )
+        if self.max_retries_per_step < 0:
+            raise ConfigError(
+                f"snapshot max_retries_per_step must be >= 0, got {self.max_retries_per_step}"
+            )
+
+    @classmethod
+    def from_env(cls, overrides: dict[str, Any] | None = None) -> SnapshotConfig:
+        """Defaults, then $RESILIENT_SNAPSHOT, then `overrides`."""
+        import os
+
+        raw = os.environ.get(ENV_SNAPSHOT, "").strip().lower()
+        fields: dict[str, Any] = (
+            {"enabled": True} if raw in {"1", "on", "true"} else json_object_env(ENV_SNAPSHOT)
+        )
+        fields.update(overrides or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) - known:
+            raise ConfigError(
+                f"unknown snapshot option(s) {sorted(set(fields) - known)}; valid: {sorted(known)}"
+            )
+        return cls(**fields)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor: its shard on this rank
+    return to_local() if to_local is not None else t
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        t = _local(obj)
+        return t.numel() * t.element_size()
+    if isinstance(obj, bytes | bytearray):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _optimizer_ready(state: TrainState) -> bool:
+    """Whether the optimizer has state to copy. Before its first step, asking DCP for its
+    state dict would run a step with zero gradients to create it (and count it: Adam's step
+    1 would then be step 2), changing the run; no snapshot is taken until then."""
+    return state.optimizer is None or bool(state.optimizer.state)
+
+
+def _estimate(state: TrainState, rank: int) -> int:
+    """Bytes of one copy; before the optimizer's first step its state is estimated as two
+    tensors per trainable parameter (Adam's moments), measured at the first copy."""
+    if _optimizer_ready(state):
+        return _nbytes(state.to_state_dict(step=0, rank=rank))
+    model = get_model_state_dict(state.model) if state.model is not None else {}
+    params = state.model.parameters() if state.model is not None else iter(())
+    moments = 2 * sum(_nbytes(p) for p in params if p.requires_grad)
+    return _nbytes(model) + moments
+
+
+def _copy(dst: Any, src: Any) -> Any:
+    """`src` copied into `dst` where the structure matches (tensors in place), else anew."""
+    if isinstance(src, torch.Tensor):
+        if (
+            isinstance(dst, torch.Tensor)
+            and type(dst) is type(src)
+            and dst.shape == src.shape
+            and dst.dtype == src.dtype
+        ):
+            return dst.copy_(src.detach())  # a DTensor copies its local shard, no collective
+        return src.detach().to("cpu", copy=True)
+    if isinstance(src, dict):
+        into = dst if isinstance(dst, dict) else {}
+        return {k: _copy(into.get(k), v) for k, v in src.items()}
+    if isinstance(src, list | tuple):
+        items = dst if isinstance(dst, list | tuple) and len(dst) == len(src) else [None] * len(src)
+        return type(src)(_copy(d, v) for d, v in zip(items, src, strict=True))
+    return src  # bytes (packed blobs), numbers, strings: immutable
+
+
+def _clone(obj: Any) -> Any:
+    return _copy(None, obj)
+
+
+class StepCounter:
+    """The step numbers `Runtime.steps()` yields, which a rollback can rewind."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.next = start
+        self.end = end
+
+    def __iter__(self) -> Iterator[int]:
+        while self.next < self.end:
+            step = self.next
+            self.next += 1
+            yield step
+
+    def rewind(self, step: int) -> None:
+        self.next = step
+
+
+class Snapshots:
+    """Two host-memory buffers of this rank's state and the rollback decision."""
+
+    def __init__(self, config: SnapshotConfig, ctx: DistContext) -> None:
+        self.config = config
+        self.ctx = ctx
+        self._log = get_logger()
+        self._state: TrainState | None = None
+        self._buf: list[dict[str, Any] | None] = [None, None]
+        self._steps = [-1, -1]
+        """The step each buffer holds (-1: none)."""
+        self._newest = -1
+        self.every = config.every_steps or 1
+        self.bytes = 0
+        self.copy_s = 0.0
+        """Seconds of the last copy (what the adaptive interval weighs)."""
+        self._last_t: float | None = None
+        self._start: int | None = None
+        self._step_s: list[float] = []
+        self._copy_s: list[float] = []
+        self._failures: dict[tuple[int, int], int] = {}
+        self.pending: int | None = None
+        """The snapshot step to roll back to after the current step's body (agreed)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def track(self, state: TrainState) -> None:
+        """Size the snapshot and check that two buffers fit (ConfigError with the numbers)."""
+        self._state = state
+        if not self.enabled:
+            return
+        size = _estimate(state, self.ctx.rank)
+        need = 2 * size
+        avail = int(psutil.virtual_memory().available)
+        allowed = int(self.config.memory_fraction * avail)
+        if need > allowed:
+            raise ConfigError(
+                f"in-memory snapshots need {need / 2**20:.1f} MiB of host memory on rank "
+                f"{self.ctx.rank} (two copies of {size / 2**20:.1f} MiB), more than "
+                f"memory_fraction={self.config.memory_fraction} of the "
+                f"{avail / 2**20:.1f} MiB available: turn snapshots off "
+                "(snapshot={'enabled': False}), shard the state over more ranks, or raise "
+                "memory_fraction if the memory is really free"
+            )
+        self.bytes = size
+        self._log.info(
+            "snapshot.memory",
+            bytes_per_copy=size,
+            copies=2,
+            total_bytes=need,
+            available_bytes=avail,
+            every_steps=self.config.every_steps or "adaptive",
+        )
+
+    # ------------------------------------------------------------------ taking them
+    def after_step(self, step: int, *, force: bool = False) -> None:
+        """Called on every rank after `step` steps are complete (and any save of them
+        started). With the adaptive interval, a collective on the control group 4 steps
+        after the start and every 32 steps: every rank then snapshots at the same steps."""
+        if not self.enabled or self._state is None:
+            return
+        now = time.perf_counter()
+        if self._last_t is not None:
+            self._step_s = [*self._step_s[-(_WINDOW - 1) :], now - self._last_t]
+        if self._start is None:
+            self._start = step
+        if self.config.every_steps is None and (
+            step - self._start == 4 or (step > self._start and step % _AGREE_EVERY == 0)
+        ):
+            self._agree_interval()
+        if force or step % self.every == 0:
+            self.take(step)
+        self._last_t = time.perf_counter()
+
+    def _agree_interval(self) -> None:
+        """The power of two that keeps this rank's copies under budget; MAX over ranks."""
+        want = 1
+        if self._copy_s and self._step_s:
+            copy_s, step_s = statistics.median(self._copy_s), statistics.median(self._step_s)
+            ratio = copy_s / (self.config.budget * step_s) if step_s > 0 else 1.0
+            want = 1 if ratio <= 1 else 2 ** math.ceil(math.log2(ratio))
+        box = torch.tensor([min(want, _MAX_EVERY)], dtype=torch.int64)
+        if self.ctx.distributed:
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        every = int(box.item())
+        if every != self.every:
+            self._log.info(
+                "snapshot.interval",
+                every_steps=every,
+                wanted_here=want,
+                copy_s=round(statistics.median(self._copy_s), 6) if self._copy_s else None,
+                step_s=round(statistics.median(self._step_s), 6) if self._step_s else None,
+            )
+            self.every = every
+
+    def take(self, step: int) -> None:
+        """Copy the state into the older buffer; the newer one stays complete meanwhile."""
+        assert self._state is not None
+        if step in self._steps or not _optimizer_ready(self._state):
+            return
+        t0 = time.perf_counter()
+        slot = 0 if self._newest != 0 else 1
+        self._steps[slot] = -1  # incomplete until the copy is done
+        live = self._state.to_state_dict(step=step, rank=self.ctx.rank)
+        self._buf[slot] = _copy(self._buf[slot], live)
+        self._steps[slot] = step
+        self._newest = slot
+        self.copy_s = time.perf_counter() - t0
+        self._copy_s = [*self._copy_s[-(_WINDOW - 1) :], self.copy_s]
+        if self._newest >= 0 and self.bytes and (size := _nbytes(self._buf[slot])) > self.bytes:
+            self._log.info("snapshot.memory", bytes_per_copy=size, copies=2, measured=True)
+            self.bytes = size
+
+    @property
+    def held(self) -> list[int]:
+        return sorted(s for s in self._steps if s >= 0)
+
+    # ------------------------------------------------------------------ rolling back
+    def agree_rollback(self, step: int, failed_rank: int) -> bool:
+        """On every rank, after the guard agreed that `failed_rank` raised at `step`: may the
+        group roll back in place? A collective on the control group when snapshots are on."""
+        if not self.enabled:
+            return False
+        key = (step, failed_rank)
+        self._failures[key] = self._failures.get(key, 0) + 1
+        retry_ok = self._failures[key] <= self.config.max_retries_per_step
+        held = self.held
+        # the same (step, rank) on every rank, so `retry_ok` agrees; the steps held may not
+        # (adaptive intervals): the newest one every rank holds
+        common = set(held)
+        if self.ctx.distributed:
+            every: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(every, held, group=self.ctx.control_group)
+            for h in every:
+                common &= set(h)
+        target = max(common) if common else None
+        ok = retry_ok and target is not None
+        if self.ctx.rank == 0 or failed_rank == self.ctx.rank:
+            self._log.warning(
+                "rollback.agreed" if ok else "rollback.refused",
+                step=step,
+                failed_rank=failed_rank,
+                to_step=target,
+                held=held,
+                reason=None
+                if ok
+                else (
+                    "the same rank failed at the same step after a rollback"
+                    if not retry_ok
+                    else "no snapshot step held by every rank"
+                ),
+            )
+        if ok:
+            self.pending = target
+        return ok
+
+    def roll_back(self) -> int:
+        """Put the agreed snapshot back into the live objects; returns its step."""
+        assert self._state is not None and self.pending is not None
+        target, self.pending = self.pending, None
+        slot = self._steps.index(target)
+        buf = self._buf[slot]
+        assert buf is not None
+        t0 = time.perf_counter()
+        # a copy: optimizer.load_state_dict keeps the tensors it is given, and the buffer
+        # must not change when the live state does
+        step = self._state.apply(_clone(buf), rank=self.ctx.rank)
+        self._log.warning("rollback.done", to_step=step, seconds=round(time.perf_counter() - t0, 4))
+        self._last_t = None
+        return step
