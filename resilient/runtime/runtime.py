@@ -23,7 +23,12 @@ from resilient import events as ev
 from resilient import log
 from resilient.checkpoint import CheckpointConfig, TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
-from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, ENV_SCRATCH  # re-exported
+from resilient.envvars import (  # re-exported
+    ENV_CHECKPOINT_DIR,
+    ENV_RUN_DIR,
+    ENV_SCRATCH,
+    parse_signals,
+)
 from resilient.errors import CheckpointError, ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.runtime._ddp import ddp_modules, pin_buckets
@@ -34,6 +39,7 @@ from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.fingerprint import ReplayCheck, StepFingerprints
 from resilient.runtime.guard import Guard, MicroBatch
 from resilient.runtime.heartbeat import Phase, WatchdogConfig
+from resilient.runtime.loader_workers import shield_workers
 from resilient.runtime.loops import Loops
 from resilient.runtime.preempt import PreemptConfig, Preempted, PreemptionWatch
 from resilient.runtime.progress import ProgressLog
@@ -283,6 +289,8 @@ class Runtime(Loops):
                     "torchdata.stateful_dataloader.StatefulDataLoader so its position is saved"
                 )
             self._batches = ResumableBatches(loader)
+            # its workers must outlive a preemption signal until the agreed stop
+            shield_workers(loader, parse_signals(",".join(self.config.preempt.signals)))
             per_rank["loader"] = self._batches
             # world-size-independent position + global batch, for elastic resume
             self._data = DataPosition(

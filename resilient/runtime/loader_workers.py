@@ -1,0 +1,61 @@
+"""Loader workers outlive a preemption signal, so the rank can still reach its agreed stop.
+
+torch elastic stops a worker with `os.killpg`: the signal reaches the whole process group,
+the rank's DataLoader worker processes included. torch's worker loop installs a SIGTERM
+handler of its own that exits quietly when the parent sent the signal and otherwise dies of
+it, and SIGUSR1 kills a process by default. Either way the workers were gone before the
+ranks agreed on a stop step (the agreement runs about once a second), and the rank's next
+`next(batches)` failed with "DataLoader worker exited unexpectedly" instead of saving
+(docs/internals.md#g-loader-workers-and-preemption).
+
+`shield_workers()` wraps the tracked loader's `worker_init_fn`, which the worker calls after
+torch's handlers are installed: in a worker, the preemption signals are ignored for as long
+as the rank that forked it is alive, and end the worker at once when it is gone. The loader
+still stops its workers the usual way (a sentinel on their queues) when the rank leaves; the
+launcher's SIGKILL at the end of the grace period reaches them as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
+
+__all__ = ["shield_workers"]
+
+
+def shield_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
+    """Make `loader`'s worker processes ignore `signals` while their rank lives.
+
+    A loader without worker processes, or with no signals to shield, is left as it is. The
+    user's own `worker_init_fn` still runs, after ours."""
+    sigs = tuple(int(s) for s in signals)
+    if not sigs or getattr(loader, "num_workers", 0) == 0:
+        return
+    inner = getattr(loader, "worker_init_fn", None)
+    if isinstance(inner, _ShieldedInit):  # tracked twice
+        inner = inner.inner
+    loader.worker_init_fn = _ShieldedInit(sigs, inner)
+
+
+class _ShieldedInit:
+    """A picklable worker_init_fn (spawn and forkserver loaders pickle it)."""
+
+    def __init__(self, signals: tuple[int, ...], inner: Callable[[int], Any] | None) -> None:
+        self.signals = signals
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        handler = functools.partial(_on_signal, os.getppid())
+        for sig in self.signals:
+            signal.signal(sig, handler)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _on_signal(rank_pid: int, signum: int, frame: FrameType | None) -> None:
+    if os.getppid() != rank_pid:  # the rank is gone: nothing is left to serve
+        os._exit(0)

@@ -1,0 +1,40 @@
+"""A tracked loader's workers outlive a preemption signal sent to the whole process group."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import psutil
+import pytest
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from resilient.runtime.loader_workers import shield_workers
+
+
+def _seen(worker_id: int) -> None:
+    # the user's own worker_init_fn still runs (module level: workers may pickle it)
+    import os
+
+    os.environ["SEEN_WORKER"] = str(worker_id)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_workers_ignore_a_preemption_signal_from_another_process(sig: signal.Signals) -> None:
+    loader = StatefulDataLoader(list(range(64)), batch_size=2, num_workers=2, worker_init_fn=_seen)
+    shield_workers(loader, [signal.SIGTERM, signal.SIGUSR1])
+    it = iter(loader)
+    first = [int(x) for x in next(it)]
+    workers = [psutil.Process(w.pid) for w in it._workers]  # type: ignore[attr-defined]
+    # sent by another process, as torch elastic's killpg is: torch's own handler would die
+    subprocess.run(["kill", f"-{sig.name}", *(str(w.pid) for w in workers)], check=True)
+    rest = [int(x) for batch in it for x in batch]
+    assert first + rest == list(range(64))  # every batch still came, in order
+    assert all(w.status() != psutil.STATUS_ZOMBIE for w in workers if w.is_running())
+
+
+def test_a_loader_without_workers_is_left_alone() -> None:
+    loader = StatefulDataLoader(list(range(4)), batch_size=2, num_workers=0)
+    shield_workers(loader, [signal.SIGTERM])
+    assert loader.worker_init_fn is None
