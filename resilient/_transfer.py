@@ -189,7 +189,32 @@ class UploadStream:
             self._pool = None
 
 
-class BlockReader(io.RawIOBase):
+class _SeekableReader(io.RawIOBase):
+    """A read-only, seekable raw file over `_size` bytes; subclasses implement reading."""
+
+    _pos: int = 0
+    _size: int = 0
+    _name: str = "a buffer"
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        pos = base + offset
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos} in {self._name}")
+        self._pos = pos
+        return pos
+
+
+class BlockReader(_SeekableReader):
     """A seekable read-only view of a remote file, fetched in aligned blocks.
 
     Blocks are fetched with `fetch(start, end)` (one retried ranged GET each), several at a
@@ -220,23 +245,6 @@ class BlockReader(io.RawIOBase):
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, concurrency), thread_name_prefix="resilient-read"
         )
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        pos = base + offset
-        if pos < 0:
-            raise ValueError(f"negative seek position {pos} in {self._name}")
-        self._pos = pos
-        return pos
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
@@ -294,30 +302,15 @@ class BlockReader(io.RawIOBase):
                     del self._blocks[i]
 
 
-class MemoryReader(io.RawIOBase):
+class MemoryReader(_SeekableReader):
     """A seekable read-only stream over bytes already in memory, without copying them
     (io.BytesIO copies a bytearray)."""
 
     def __init__(self, data: Any) -> None:
         super().__init__()
         self._view = memoryview(data).cast("B")
+        self._size = len(self._view)
         self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
