@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from chaos.procs import REPO, Run, events, spawn, wait_for
+from chaos.procs import REPO, Run, events, latest_event, spawn, wait_for
 from chaos.ranks import Ranks, free_port
 from resilient.events import read_events
 from resilient.proctree import alive, kill_tree
@@ -179,3 +179,20 @@ def only_event(run_dir: Path, name: str) -> dict[str, Any]:
 
 def exit_events(run_dir: Path) -> dict[int, int]:
     return {e["rank"]: e["code"] for e in events(run_dir) if e.get("event") == "watchdog.exit"}
+
+
+def fault_time(ranks: Ranks, rank: int, kind: str) -> float:
+    """When chaos.inject fired `kind` on `rank` (its own record on the rank's stdout)."""
+    for line in ranks.output(rank).splitlines():
+        if line.startswith("chaos.fault "):
+            fault = json.loads(line.split(" ", 1)[1])
+            if fault["kind"] == kind:
+                return float(fault["time"])
+    raise AssertionError(f"rank {rank} never fired its fault:\n{ranks.output(rank)[-3000:]}")
+
+
+def pid_of(run_dir: Path, rank: int) -> int:
+    """The pid of `rank` in the newest attempt (its runtime.init event)."""
+    init = latest_event(run_dir, "runtime.init", rank=rank)
+    assert init is not None
+    return int(init["pid"])

@@ -13,18 +13,18 @@ import json
 from pathlib import Path
 
 import pytest
-
-from chaos.procs import events
-from chaos.ranks import Ranks
-from resilient.exitcodes import ExitCode
-from tests.test_hang import (
+from helpers import (
     assert_no_process_left,
-    event_time,
     exit_events,
     fault_time,
     only_event,
     pid_of,
 )
+
+from chaos.procs import events
+from chaos.ranks import Ranks
+from resilient.events import timestamp
+from resilient.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -69,7 +69,7 @@ def test_a_stall_in_the_first_step_after_a_resume_is_named_in_seconds(tmp_path: 
     assert exit_events(run) == {0: ExitCode.HANG, 1: ExitCode.HANG}
     # the first-step timeout (4 s) + one interval, 2 s of slack on a loaded machine; the
     # start-up allowance (60 s) would have applied to this step before
-    latency = event_time(hang) - fault_time(ranks, 1, "hang")
+    latency = timestamp(hang) - fault_time(ranks, 1, "hang")
     assert latency < WATCHDOG["first_step_timeout_s"] + 0.25 + 2, latency
     stacks = (run / "stacks" / "rank1.txt").read_text()
     assert "step 4 phase forward" in stacks and "in fire" in stacks

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers import (
@@ -20,12 +19,14 @@ from helpers import (
     HANG_WATCHDOG,
     RANKS_WAIT_S,
     exit_events,
+    fault_time,
     launch_ranks,
     only_event,
+    pid_of,
 )
 
 from chaos.procs import Run, events, latest_event
-from chaos.ranks import Ranks
+from resilient.events import timestamp
 from resilient.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -33,27 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 WATCHDOG = HANG_WATCHDOG
 WORKER = GUARDED_WORKER
 PACE = "slow@phase=step,seconds=0.05"  # every rank: ~0.1 s a step, so heartbeats show steps
-
-
-def fault_time(ranks: Ranks, rank: int, kind: str) -> float:
-    for line in ranks.output(rank).splitlines():
-        if line.startswith("chaos.fault "):
-            fault = json.loads(line.split(" ", 1)[1])
-            if fault["kind"] == kind:
-                return float(fault["time"])
-    raise AssertionError(f"rank {rank} never fired its fault:\n{ranks.output(rank)[-3000:]}")
-
-
-def event_time(event: dict[str, Any]) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()
-
-
-def pid_of(run_dir: Path, rank: int) -> int:
-    init = latest_event(run_dir, "runtime.init", rank=rank)
-    assert init is not None
-    return int(init["pid"])
 
 
 def test_sleeping_rank_is_named_dumped_and_everyone_exits(tmp_path: Path) -> None:
@@ -74,7 +54,7 @@ def test_sleeping_rank_is_named_dumped_and_everyone_exits(tmp_path: Path) -> Non
     assert "step 6 phase forward" in stacks and "chaos/faults.py" in stacks
     assert "in fire" in stacks  # the main thread, caught sleeping
     # timeout 2 s + one 0.25 s interval; 2 s of slack for a loaded 2-core machine
-    latency = event_time(hang) - fault_time(ranks, 1, "hang")
+    latency = timestamp(hang) - fault_time(ranks, 1, "hang")
     assert latency < WATCHDOG["timeout_s"] + 1 + 2, latency
 
 
@@ -92,7 +72,7 @@ def test_stopped_rank_is_reported_by_peers_and_killed(tmp_path: Path) -> None:
     assert 0 <= named["step"] <= 6  # what its peers last heard from it
     killed = latest_event(run, "watchdog.killed", rank=0)
     assert killed is not None and killed["pid"] == named["pid"]
-    latency = event_time(hang) - fault_time(ranks, 1, "stop")
+    latency = timestamp(hang) - fault_time(ranks, 1, "stop")
     assert latency < WATCHDOG["heartbeat_timeout_s"] + 1 + 2, latency
 
 
@@ -112,7 +92,7 @@ def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path, mo
     assert "gone" in fault["named"][0]["stacks"]
     exits = [e for e in events(run) if e.get("event") == "watchdog.exit"]
     assert {e["rank"] for e in exits} == {0, 2}
-    latest = max(event_time(e) for e in exits)
+    latest = max(timestamp(e) for e in exits)
     assert latest - fault_time(ranks, 1, "kill") < WATCHDOG["heartbeat_timeout_s"] + 1 + 2
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import assert_no_process_left
 
 from chaos.procs import events
 from chaos.ranks import Ranks
 from resilient.exitcodes import ExitCode
-from tests.test_hang import assert_no_process_left
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
