@@ -12,14 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from resilient.checkpoint.manager import CheckpointConfig, CheckpointManager
 from resilient.errors import CheckpointCorruptError, ResilientError
+
+if TYPE_CHECKING:
+    from resilient.checkpoint.manager import CheckpointManager
 
 __all__ = ["main"]
 
 
 def _manager(url: str) -> CheckpointManager:
+    # imported here: `resilient run` must not load the checkpoint code (torch DCP) it never uses
+    from resilient.checkpoint.manager import CheckpointConfig, CheckpointManager
+
     return CheckpointManager(CheckpointConfig(url=url))
 
 

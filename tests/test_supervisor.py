@@ -51,7 +51,7 @@ def test_supervisor_and_runtime_meet_only_through_the_contract() -> None:
 
 def test_the_launcher_loads_neither_the_worker_runtime_nor_dcp() -> None:
     code = (
-        "import sys, resilient.supervisor.launcher, resilient.envvars, resilient.exitcodes\n"
+        "import sys, resilient.cli, resilient.supervisor.launcher, resilient.envvars\n"
         "print(sorted(m for m in sys.modules if m.startswith(('resilient.runtime', "
         "'resilient.checkpoint', 'torch.distributed.checkpoint'))))"
     )

@@ -15,7 +15,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -30,6 +29,7 @@ from torch import nn
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
 from resilient.runtime import procinfo
+from resilient.runtime._torch_compat import barrier_missing_ranks
 from resilient.runtime.dist import DistContext
 from resilient.runtime.forksafe import after_fork_in_child
 from resilient.runtime.heartbeat import (
@@ -47,7 +47,6 @@ from resilient.runtime.verdict import STORE_ERRORS, Verdicts, exit_now, hard_exi
 __all__ = ["Watchdog", "exit_now"]  # exit_now: from verdict.py, where it lives
 
 _PREFIX = "watchdog"
-_BARRIER_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
 class Watchdog(Verdicts):
@@ -185,8 +184,7 @@ class Watchdog(Verdicts):
                 group=self.ctx.control_group, timeout=timeout, wait_all_ranks=True
             )
         except RuntimeError as e:
-            match = _BARRIER_RANKS.search(str(e))
-            ranks = [int(r) for r in match.group(1).replace(" ", "").split(",")] if match else []
+            ranks = barrier_missing_ranks(str(e)) or []
             if not ranks:  # rank 0 knows who is missing; its verdict is on the way
                 self.wait_for_verdict(3 * self.config.heartbeat_interval_s + 1)
             self.abort(
