@@ -38,3 +38,17 @@ def test_a_loader_without_workers_is_left_alone() -> None:
     loader = StatefulDataLoader(list(range(4)), batch_size=2, num_workers=0)
     shield_workers(loader, [signal.SIGTERM])
     assert loader.worker_init_fn is None
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_from_the_rank_itself_still_ends_a_worker() -> None:
+    # what the loader's and multiprocessing's terminate() at shutdown rely on
+    loader = StatefulDataLoader(list(range(64)), batch_size=2, num_workers=1)
+    shield_workers(loader, [signal.SIGTERM])
+    it = iter(loader)
+    next(it)
+    worker = it._workers[0]  # type: ignore[attr-defined]
+    worker.terminate()  # SIGTERM from this process, the worker's parent
+    worker.join(timeout=10)
+    assert worker.exitcode == 0, worker.exitcode  # left as torch's own handler would
+    del it

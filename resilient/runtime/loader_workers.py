@@ -9,19 +9,21 @@ ranks agreed on a stop step (the agreement runs about once a second), and the ra
 (docs/internals.md#g-loader-workers-and-preemption).
 
 `shield_workers()` wraps the tracked loader's `worker_init_fn`, which the worker calls after
-torch's handlers are installed: in a worker, the preemption signals are ignored for as long
-as the rank that forked it is alive, and end the worker at once when it is gone. The loader
-still stops its workers the usual way (a sentinel on their queues) when the rank leaves; the
-launcher's SIGKILL at the end of the grace period reaches them as before.
+torch's handlers are installed. In a worker, the preemption signals are blocked and a thread
+reads them with `sigwaitinfo`, which tells who sent each one (a Python signal handler cannot):
+- sent by the rank itself (the loader's or multiprocessing's `terminate()` at shutdown): the
+  worker exits at once, as torch's own handler does;
+- sent by anyone else (the launcher's killpg) while the rank lives: ignored;
+- the rank is gone: the worker exits.
+The launcher's SIGKILL at the end of the grace period reaches the workers as before.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable
-from types import FrameType
 from typing import Any
 
 __all__ = ["shield_workers"]
@@ -49,13 +51,21 @@ class _ShieldedInit:
         self.inner = inner
 
     def __call__(self, worker_id: int) -> None:
-        handler = functools.partial(_on_signal, os.getppid())
-        for sig in self.signals:
-            signal.signal(sig, handler)
+        sigs = set(self.signals)
+        # blocked before the thread starts, so it inherits the mask and only sigwaitinfo sees them
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        threading.Thread(
+            target=_serve_signals,
+            args=(os.getppid(), sigs),
+            name="resilient-loader-signals",
+            daemon=True,
+        ).start()
         if self.inner is not None:
             self.inner(worker_id)
 
 
-def _on_signal(rank_pid: int, signum: int, frame: FrameType | None) -> None:
-    if os.getppid() != rank_pid:  # the rank is gone: nothing is left to serve
-        os._exit(0)
+def _serve_signals(rank_pid: int, sigs: set[int]) -> None:
+    while True:
+        info = signal.sigwaitinfo(sigs)
+        if info.si_pid == rank_pid or os.getppid() != rank_pid:
+            os._exit(0)  # the rank stops its workers, or it is gone: nothing is left to serve
