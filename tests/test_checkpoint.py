@@ -396,6 +396,20 @@ def test_all_checkpoints_corrupt_is_a_logged_fresh_start(
     assert fresh["reason"] == "no valid checkpoint"
 
 
+def test_a_fresh_start_after_failed_loads_keeps_the_optimizer_empty(
+    two_checkpoints: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    # A load attempt asks torch for the optimizer's state dict, which steps a fresh optimizer
+    # once; a fresh start must not keep that step (Adam's bias correction would differ).
+    root, _ = two_checkpoints
+    for step in (1, 2):
+        _corrupt(root / step_dir(step), "bit_flip", tmp_path / "unused")
+    t = Trainee(5)
+    assert not t.opt.state
+    assert manager(root).load_latest(t.state()) is None
+    assert not t.opt.state
+
+
 # ------------------------------------------------------------------------------ retention
 @pytest.mark.parametrize("keep_last", [1, 2])
 def test_retention_keeps_newest_and_never_touches_foreign_entries(

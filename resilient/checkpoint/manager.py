@@ -335,9 +335,12 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         candidates = self.candidates()
+        fresh = state.optimizer_is_fresh()
         for step in candidates:
             if self.try_load(state, step, started=t0):
                 return step
+        if fresh:
+            state.forget_failed_loads()
         self._log.info(
             "ckpt.fresh_start",
             url=self.storage.url,

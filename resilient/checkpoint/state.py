@@ -83,6 +83,21 @@ class TrainState:
     rng: bool = True
     """Save and restore per-rank RNG states (needed for bit-exact resume with dropout)."""
 
+    def optimizer_is_fresh(self) -> bool:
+        """The tracked optimizer has no state yet (it has never stepped)."""
+        return self.optimizer is not None and not self.optimizer.state
+
+    def forget_failed_loads(self) -> None:
+        """Empty the optimizer again after load attempts that all failed.
+
+        Building a load template asks torch for the optimizer's state dict, which gives a
+        fresh optimizer its state by running a zero-gradient step (AdamW: step 1, zero
+        moments). A fresh start must begin from an empty optimizer, as an uninterrupted run
+        does, or the bias correction differs from the first step on and the run is no longer
+        bit-exact (docs/internals.md#g-optimizer-state-init)."""
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+
     def to_state_dict(self, *, step: int, rank: int) -> dict[str, Any]:
         """The DCP state dict for a save after `step` steps. Tensors are live references."""
         sd: dict[str, Any] = {}

@@ -199,10 +199,13 @@ class TieredCheckpointManager:
             [(step, name) for name, m in self.tiers.items() for step in m.candidates()],
             key=lambda x: (-x[0], x[1] != LOCAL),
         )
+        fresh = state.optimizer_is_fresh()
         for step, name in order:
             if self.tiers[name].try_load(state, step, started=t0):
                 self._log.info("ckpt.tier.loaded", step=step, tier=name)
                 return step
+        if fresh:
+            state.forget_failed_loads()
         self._log.info(
             "ckpt.fresh_start",
             url=self.remote.storage.url,
