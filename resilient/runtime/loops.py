@@ -222,7 +222,8 @@ class Loops:
         saved = (end is None or self.step < end) and self._should_save()
         if saved:
             self.save()
-        self.snapshots.after_step(self.step, force=saved)
+        if self.guards.rollback is not None:  # off in epochs(): a copy nothing could use
+            self.snapshots.after_step(self.step, force=saved)
 
     def _finish_loop(self, start: int) -> None:
         if self.step > start or self._open is not None:
