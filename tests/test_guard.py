@@ -137,8 +137,9 @@ def test_ddp_oom_retry_is_bitwise_the_smaller_split(
 ) -> None:
     """An OOM on rank 1 at step 3 (in the forward of a whole batch; or at the end of the
     forward of the first of two micro-batches, while its peers run that micro-batch's
-    no_sync backward): every rank retries the batch in twice as many micro-batches and the
-    run ends bit-for-bit where a run that used that split from step 3 on ends."""
+    no_sync backward and then the synced one): every rank retries the batch in twice as
+    many micro-batches and the run ends bit-for-bit where a run that used that split from
+    step 3 on ends."""
     args = [*STEPS, "--splits", splits] if splits else STEPS
     codes, _ = launch_ranks(tmp_path, [f"oom@rank=1,step=3,phase={phase}"], *args)
     run = tmp_path / "run"
@@ -147,6 +148,9 @@ def test_ddp_oom_retry_is_bitwise_the_smaller_split(
     assert (fail["rank"], fail["kind"], fail["step"], fail["phase"]) == (1, "oom", 3, phase)
     retry = latest_event(run, "oom.retry", rank=0)
     assert retry is not None and retry["failed_rank"] == 1 and retry["step"] == 3
+    # from the second batch on, the agreement rides beside the synced backward: rank 1
+    # joined its peers' gradient all-reduce with zeros (runtime/guard.py)
+    assert retry["agreed"] == "beside the backward"
     first = 2 if splits else 1
     assert (retry["split_from"], retry["split_to"]) == (first, 2 * first)
     assert json.loads((run / SPLIT_FILE).read_text())["split"] == 2 * first

@@ -4,6 +4,11 @@
   attributes that say what it does (`_has_rebuilt_buckets`, `_use_python_reducer`,
   `_delay_all_reduce_all_params`): torch has no public way to choose or keep a bucket layout,
   which exact resume needs (docs/internals.md#g-ddp-bucket-layout). Used by runtime/_ddp.py.
+- DDP's `_match_all_reduce_for_bwd_pass` (what its join hook calls for a rank that ran out
+  of data): one all-reduce of zeros per gradient bucket, in the reducer's order, through the
+  registered comm hook. The OOM guard lets a failed rank join its peers' gradient all-reduce
+  with it, so that their agreement rides beside the backward instead of before it
+  (runtime/guard.py).
 - The text of the errors a collective raises when a peer is gone
   (docs/internals.md#g-dead-and-hung-peers): gloo raises a plain RuntimeError, not a
   DistError, for a closed connection, and only `monitored_barrier`'s message names a missing
@@ -30,6 +35,7 @@ __all__ = [
     "delays_all_reduce",
     "has_rebuilt_buckets",
     "is_peer_loss_message",
+    "match_backward_all_reduce",
     "push_all_rebuilt_params",
     "rebuild_buckets",
     "reset_reducer_state",
@@ -42,6 +48,11 @@ require_attrs(
     dist.Reducer,
     ("_push_all_rebuilt_params", "_rebuild_buckets", "_reset_state"),
     feature=_FEATURE,
+)
+require_attrs(
+    DistributedDataParallel,
+    ("_match_all_reduce_for_bwd_pass",),
+    feature="the OOM guard's agreement beside the backward (runtime/guard.py)",
 )
 require_self_attrs(
     DistributedDataParallel,
@@ -86,6 +97,13 @@ def reset_reducer_state(ddp: DistributedDataParallel) -> None:
     """Disarm the reducer after a backward that never came (as DDP's own
     `_update_process_group` does)."""
     ddp.reducer._reset_state()
+
+
+def match_backward_all_reduce(ddp: DistributedDataParallel) -> None:
+    """Join the peers' gradient all-reduce of a synced backward with zero gradients, without
+    a backward of our own (one all-reduce per bucket, in the reducer's order, through the
+    registered comm hook; waits for all of them)."""
+    ddp._match_all_reduce_for_bwd_pass()
 
 
 # ---------------------------------------------------------------- error texts

@@ -21,13 +21,25 @@ Why this never deadlocks. A rank that raises must not wait where its peers canno
   started (its buffer broadcast comes first; micro-batches but the last run under no_sync;
   its one bucket rebuild is done at track() and after a reset, runtime/_ddp.py), and
   no_sync backwards hold none. The only gradient all-reduce is the last micro-batch's
-  backward, and `mb.backward` agrees *before* it: an all_reduce(MAX) of a status code on the
-  control group, where a failing rank arrives from its `with mb:` exit and healthy ranks
-  arrive from `mb.backward`, exactly one agreement per attempt on every rank. All OK: the
-  synced backward runs. An OOM: every rank restores the RNG and gradients and retries the
-  same batch in twice as many micro-batches. Anything else, or the floor reached: every rank
-  exits with the same code. A failure *after* the agreement (inside the synced backward)
-  takes the store path above, since peers may be blocked in the all-reduce.
+  backward. Every attempt holds exactly one agreement on every rank: an all_reduce(MAX) of
+  a status code on the control group. All OK: the step goes on. An OOM: every rank
+  restores the RNG and gradients and retries the same batch in twice as many micro-batches.
+  Anything else, or the floor reached: every rank exits with the same code (or rolls back,
+  runtime/snapshot.py). A failure *after* the agreement started (inside the synced
+  backward) takes the store path above, since peers may be blocked in the all-reduce.
+  Where the agreement happens:
+  - *Beside the backward* (the usual case, from a batch's second attempt on: once this
+    body was seen calling `mb.backward` on its last micro-batch, with DDP and
+    find_unused_parameters=False). Healthy ranks start the agreement asynchronously in
+    `mb.backward` and wait for it after the synced backward, so it costs a launch, not a
+    round trip. A failing rank, after its `with mb:` block (the failed forward's memory is
+    released by then), starts the same agreement and joins the backward's gradient
+    all-reduce with zeros (DDP's own join mechanism, runtime/_torch_compat.py); the
+    reduced gradients are then thrown away on every rank.
+  - *Before the backward* (the first attempt of the first batch, other DDP settings): the
+    agreement blocks in `mb.backward` before the synced backward runs, and a failing rank
+    arrives from its `with mb:` exit. A body that never calls `mb.backward` agrees at
+    the end of its micro-batches.
 - If a user's body holds a collective of its own after the failure point, the agreement
   cannot complete; the failing rank is flagged in its heartbeat, stalls in phase `agree`,
   and the hang monitor takes the group down with the OOM/exception code at its timeout.
@@ -39,6 +51,7 @@ import contextlib
 import json
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,7 +65,7 @@ from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
 from resilient.runtime._ddp import reset_reducer
-from resilient.runtime._torch_compat import is_peer_loss_message
+from resilient.runtime._torch_compat import is_peer_loss_message, match_backward_all_reduce
 from resilient.runtime.dist import DistContext
 from resilient.runtime.heartbeat import FLAG_FAILED, FLAG_OOM, Phase
 from resilient.runtime.watchdog import Watchdog, exit_now
@@ -104,6 +117,27 @@ class Guard:
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by the Runtime: has a stop (preemption) signal arrived? Then a lost peer means
         the launcher is already taking the group down, and no verdict is worth waiting for."""
+        self._params: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._beside_backward = False
+        """The body was seen calling `mb.backward` on its last micro-batch (every rank runs
+        the same body, so every rank learns it at the same agreed attempt): from then on the
+        agreement rides beside the synced backward (module doc)."""
+
+    def _trainable(self, model: nn.Module | None) -> list[torch.Tensor]:
+        """The parameters whose gradients a retry restores. Walking the module tree costs
+        about half of micro_batches' own time on a small model, so for a DDP module, whose
+        parameters are fixed at its construction, the list is kept."""
+        if model is None:
+            return []
+        if not isinstance(model, DistributedDataParallel):
+            return [p for p in model.parameters() if p.requires_grad]
+        params = self._params.get(model)
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            self._params[model] = params
+        return params
 
     # ------------------------------------------------------------------ carried split
     def resume_split(self) -> int:
@@ -218,21 +252,30 @@ class Guard:
                 raise ConfigError(f"split must be >= 1, got {split}")
             self.split = max(self.split, split)
         in_place = self.ctx.world_size == 1 or isinstance(model, DistributedDataParallel)
-        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        can_fold = (
+            self.ctx.distributed
+            and isinstance(model, DistributedDataParallel)
+            and not model.find_unused_parameters
+        )
+        params = self._trainable(model)
         while True:
             k = max(1, min(self.split, n))
             chunks = [t.tensor_split(k) for t in tensors]
             grads_none = all(p.grad is None for p in params)
             rng = _rng_state()
-            att = _Attempt(self, k, n, model, in_place)
+            att = _Attempt(self, k, n, model, in_place, beside=can_fold and self._beside_backward)
             for i in range(k):
                 part = tuple(c[i] for c in chunks)
                 yield MicroBatch(att, i, part, len(part[0]) / n)
-                if att.agreed:  # the last micro-batch, or this rank failed and agreed early
+                if att.agreed or att.pending is not None:  # the last one, or this rank failed
                     break
-            if not att.agreed:  # the body never called mb.backward: agree here
+            if att.pending is not None:  # failed beside the backward: join the peers' backward
+                att.join_backward()
+            elif not att.agreed:  # the body never called mb.backward: agree here
                 att.agree(_OK)
             if att.outcome == _OK:
+                if can_fold and att.synced_backward:
+                    self._beside_backward = True
                 return
             _set_rng_state(rng)
             for p in params:
@@ -259,6 +302,7 @@ class Guard:
                 "split_from": k,
                 "split_to": self.split,
                 "micro_batch_size": math.ceil(n / self.split),
+                "agreed": "beside the backward" if att.beside else "before the backward",
             }
             if self.ctx.rank == 0:
                 self._log.warning("oom.retry", **fields)
@@ -300,6 +344,15 @@ class MicroBatch:
         if not self.last:
             scaled.backward()
             return
+        att.synced_backward = True
+        if att.beside:
+            att.launch(_OK)
+            att.guard.watchdog.progress.enter(Phase.BACKWARD)
+            scaled.backward()
+            att.finish()
+            if att.outcome != _OK:
+                raise _Retry  # the reduced gradients include a failed rank's zeros: redo
+            return
         att.agree(_OK)
         if att.outcome != _OK:
             raise _Retry
@@ -322,17 +375,34 @@ class _Attempt:
     """One pass over the micro-batches of a batch; agrees exactly once."""
 
     def __init__(
-        self, guard: Guard, k: int, n: int, model: nn.Module | None, in_place: bool
+        self,
+        guard: Guard,
+        k: int,
+        n: int,
+        model: nn.Module | None,
+        in_place: bool,
+        *,
+        beside: bool = False,
     ) -> None:
         self.guard = guard
         self.k = k
         self.n = n
         self.model = model
         self.in_place = in_place
+        self.beside = beside
+        """Agree beside the synced backward rather than before it (module doc)."""
         self.agreed = False
+        """The agreement has started on this rank (a failure after it takes the store path)."""
+        self.pending: int | None = None
+        """Beside the backward: this rank failed with this status; it agrees and joins the
+        peers' backward once its `with mb:` block has been left."""
+        self.synced_backward = False
+        """`mb.backward` was called on the last micro-batch."""
         self.outcome: int | None = None
         self.failed_rank = -1
         self._sync: Any = None
+        self._vote: torch.Tensor | None = None
+        self._work: Any = None
 
     def enter_sync(self, last: bool) -> None:
         if self.k == 1 or self.model is None:
@@ -370,30 +440,65 @@ class _Attempt:
             exc_info=exc,
         )
         wd.report_failure(oom=oom)
+        if self.beside:
+            self.pending = _OOM if oom else _EXC
+            return
         self.agree(_OOM if oom else _EXC)
 
-    def agree(self, status: int) -> None:
-        """The one agreement of this attempt; exits the process when the group must stop."""
+    def join_backward(self) -> None:
+        """This rank failed beside the backward: agree, and join the peers' gradient
+        all-reduce with zeros, as a synced backward of its own would have."""
         g = self.guard
-        rank = g.ctx.rank
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the zero buckets must fit where the forward failed
+        self.launch(self.pending if self.pending is not None else _EXC)
+        g.watchdog.progress.enter(Phase.AGREE)
+        assert isinstance(self.model, DistributedDataParallel)
+        try:
+            match_backward_all_reduce(self.model)
+        except RuntimeError as e:
+            g.fail_fast(e)
+        self.finish()
+
+    def agree(self, status: int) -> None:
+        """The one agreement of this attempt, before any synced backward; exits the process
+        when the group must stop."""
+        if not self.in_place:  # failures there take the store path: nothing to agree on
+            self.agreed = True
+            self.outcome = _OK
+            return
+        self.launch(status)
+        # what follows sets its own phase: backward, a retry's forward, or the exit
+        self.guard.watchdog.progress.enter(Phase.AGREE)
+        self.finish()
+
+    def launch(self, status: int) -> None:
+        """Start this rank's vote (asynchronously; `finish` waits for it)."""
+        g = self.guard
         self.agreed = True
         floor = g.config.min_micro_batch_size
         cannot_halve = int(self.n // (2 * self.k) < floor or 2 * self.k > self.n)
-        mine = (status << 32) | (_LOW - rank) if status != _OK else 0
-        if not self.in_place:  # failures there take the store path: nothing to agree on
-            self.outcome = _OK
-            return
+        mine = (status << 32) | (_LOW - g.ctx.rank) if status != _OK else 0
+        self._vote = torch.tensor([mine, cannot_halve], dtype=torch.int64)
         if g.ctx.distributed:
-            t = torch.tensor([mine, cannot_halve], dtype=torch.int64)
-            # what follows sets its own phase: backward, a retry's forward, or the exit
-            g.watchdog.progress.enter(Phase.AGREE)
             try:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.ctx.control_group)
+                self._work = dist.all_reduce(
+                    self._vote, op=dist.ReduceOp.MAX, group=g.ctx.control_group, async_op=True
+                )
             except RuntimeError as e:
                 g.fail_fast(e)
-            top, cannot_halve = int(t[0]), int(t[1])
-        else:
-            top = mine
+
+    def finish(self) -> None:
+        """Wait for the vote and carry out what it says; exits when the group must stop."""
+        g = self.guard
+        rank = g.ctx.rank
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                g.fail_fast(e)
+        assert self._vote is not None
+        top, cannot_halve = int(self._vote[0]), int(self._vote[1])
         worst = top >> 32
         self.failed_rank = _LOW - (top & _LOW) if worst != _OK else -1
         if worst == _OK:
