@@ -13,7 +13,9 @@ Keys: rank (default: every rank), step (default: every step), phase (default: st
 resilient phase name), times (how often it fires; default 1, `slow` unlimited), skip (let
 this many matches pass first, e.g. skip=1 with phase=backward hits the second entry of a
 step, after the guard's agreement), restart (the TORCHELASTIC_RESTART_COUNT it fires in;
-default 0 so a restarted group runs clean; `any` for every attempt), seconds (for slow and
+default 0 so a restarted group runs clean; `any` for every attempt), generation (the
+RESILIENT_GENERATION it fires in, default 0: a hot recovery's replacement and re-run
+survivors run clean; `any` for every one), seconds (for slow and
 hang). A fault's first firing prints one `chaos.fault {json}` line to stderr (kind, rank,
 step, phase, wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as
 the chaos runner does for the faults it sends from outside, so `resilient report` sees both.
@@ -57,6 +59,8 @@ class Fault:
     """How many times it fires; None: every time it matches."""
     restart: int | None = 0
     """The restart attempt it fires in; None: every attempt."""
+    generation: int | None = 0
+    """The hot-recovery generation it fires in; None: every generation."""
     seconds: float | None = None
     skip: int = 0
     """Matches to let pass before firing."""
@@ -70,10 +74,11 @@ class Fault:
 
         Phase.parse(self.phase)  # raises on an unknown phase name
 
-    def matches(self, rank: int, restart: int, step: int, phase: str) -> bool:
+    def matches(self, rank: int, restart: int, step: int, phase: str, generation: int = 0) -> bool:
         hit = (
             (self.rank is None or self.rank == rank)
             and (self.restart is None or self.restart == restart)
+            and (self.generation is None or self.generation == generation)
             and (self.step is None or self.step == step)
             and self.phase == phase
             and (self.times is None or self.fired < self.times)
@@ -140,7 +145,7 @@ def parse(spec: str) -> Fault:
         if not sep:
             raise ValueError(f"fault spec {spec!r}: {item!r} is not key=value")
         key, value = key.strip(), value.strip()
-        if key in ("rank", "step", "times", "restart", "skip"):
+        if key in ("rank", "step", "times", "restart", "skip", "generation"):
             fields[key] = None if value in ("any", "*") else int(value)
         elif key == "seconds":
             fields[key] = float(value)
@@ -153,6 +158,7 @@ def parse(spec: str) -> Fault:
 
 _installed: list[Fault] = []
 _original: Any = None
+_generation = [0]
 
 
 def install(faults: list[Fault]) -> None:
@@ -161,6 +167,7 @@ def install(faults: list[Fault]) -> None:
     from resilient.runtime.heartbeat import Progress
 
     _installed[:] = faults
+    _generation[0] = int(os.environ.get("RESILIENT_GENERATION", "0"))  # a re-run: the next one
     if _original is not None:
         return
     _original = Progress.enter
@@ -172,7 +179,7 @@ def install(faults: list[Fault]) -> None:
         original(self, phase)
         name = phase.name.lower()
         for f in _installed:
-            if f.matches(rank, restart, self.step, name):
+            if f.matches(rank, restart, self.step, name, _generation[0]):
                 f.fire(rank, self.step, name)
 
     Progress.enter = enter  # type: ignore[method-assign]

@@ -26,7 +26,9 @@ __all__ = [
     "ENV_ATTEMPT",
     "ENV_CHECKPOINT_DIR",
     "ENV_FINAL_DIGEST",
+    "ENV_GENERATION",
     "ENV_GRACE_S",
+    "ENV_HOT",
     "ENV_PREEMPT",
     "ENV_PREEMPT_SIGNALS",
     "ENV_RUN_DIR",
@@ -80,6 +82,14 @@ ENV_SCRATCH = "RESILIENT_CHECK_SCRATCH"
 """Set by `resilient check-resume`: checkpoints and logs go under this directory whatever the
 script passes to init(), so checking never touches the script's own checkpoints."""
 
+ENV_HOT = "RESILIENT_HOT"
+"""Hot recovery of a lost process ("1"), set by `resilient run --hot-recovery`: the workers keep
+in-memory snapshots, and when one of them dies the others stay alive, re-run the script in
+place and continue from their snapshot with a replacement (resilient/runtime/hot.py)."""
+ENV_GENERATION = "RESILIENT_GENERATION"
+"""The generation of the worker group within one attempt: 0 at the attempt's start, one more
+after each hot recovery (set for the replacement by the agent, and by the worker wrapper for
+the survivors). Process groups of generation g >= 1 live under their own store prefix."""
 ENV_SNAPSHOT = "RESILIENT_SNAPSHOT"
 """In-memory snapshots for in-place rollback: "1"/"on" turns them on, or a JSON object of
 SnapshotConfig fields, e.g. '{"enabled": true, "every_steps": 8}'."""

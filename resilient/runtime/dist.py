@@ -9,7 +9,9 @@ Each restart attempt gets its own PrefixStore namespace on the agent's store: re
 store's keys across restarts broke gloo's connectFullMesh
 (docs/internals.md#g-per-attempt-store). The attempt is $RESILIENT_ATTEMPT when
 `resilient run` set it (one id per rendezvous round, the same on every node), else
-TORCHELASTIC_RESTART_COUNT (which differs between nodes once one has rejoined).
+TORCHELASTIC_RESTART_COUNT (which differs between nodes once one has rejoined). A hot
+recovery's generation g >= 1 (RESILIENT_GENERATION, runtime/hot.py) adds `/gen_<g>`: the
+survivors and the replacement form fresh groups, and heartbeats and verdicts start clean.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from resilient.envvars import (
     ENV_ATTEMPT,  # re-exported: its old home
+    ENV_GENERATION,
     ENV_RUN_ID,
     TORCHELASTIC_RESTART_COUNT,
     TORCHELASTIC_RUN_ID,
@@ -33,7 +36,13 @@ from resilient.envvars import (
 )
 from resilient.errors import ConfigError
 
-__all__ = ["ENV_ATTEMPT", "DistContext", "init_distributed", "shutdown_distributed"]
+__all__ = [
+    "ENV_ATTEMPT",
+    "DistContext",
+    "abandon_distributed",
+    "init_distributed",
+    "shutdown_distributed",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +111,9 @@ def init_distributed(
         wait_for_workers=False,
     )
     attempt = os.environ.get(ENV_ATTEMPT) or str(restart)
-    prefixed = dist.PrefixStore(f"resilient/attempt_{attempt}", store)
+    gen = int_env(ENV_GENERATION, 0)
+    prefix = f"resilient/attempt_{attempt}" + (f"/gen_{gen}" if gen else "")
+    prefixed = dist.PrefixStore(prefix, store)
     if user_group:  # use it, add our side groups
         backend = str(dist.get_backend())
     else:
@@ -125,6 +136,13 @@ def init_distributed(
         store=prefixed,
         base_store=store,
     )
+
+
+def abandon_distributed(ctx: DistContext) -> None:
+    """Leave the process groups of a generation that lost a peer: no barrier (the peer is
+    gone), just destroy what this process holds."""
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shutdown_distributed(ctx: DistContext) -> None:

@@ -114,6 +114,9 @@ class Guard:
         self.rollback: Callable[[int, int], bool] | None = None
         """Set by the Runtime when snapshots are on: called on every rank with (step, failed
         rank) once the in-place agreement found an exception; True: roll back, not exit."""
+        self.hot: Callable[[BaseException], NoReturn] | None = None
+        """Set by the Runtime under hot recovery: a lost peer re-runs the script in place
+        (runtime/hot.py) instead of taking the group down."""
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by the Runtime: has a stop (preemption) signal arrived? Then a lost peer means
         the launcher is already taking the group down, and no verdict is worth waiting for."""
@@ -199,6 +202,9 @@ class Guard:
         step, phase = wd.progress.step, wd.progress.phase.name.lower()
         if kind == "peer":
             self._log.warning("guard.peer_error", step=step, phase=phase, error=_short(exc))
+            if self.hot is not None and not self.stop_requested():
+                self.failing = False
+                self.hot(exc)  # raises HotRestart, or exits cold with a reason
             if self.stop_requested():
                 exit_now(ExitCode.PEER_LOST, kind="peer_lost", reason="stopped by the launcher")
             cfg = self.config

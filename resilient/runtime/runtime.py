@@ -7,8 +7,10 @@ newest valid checkpoint, saving, and the coordinated stop on preemption. The loo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -31,9 +33,15 @@ from resilient.envvars import (  # re-exported
 )
 from resilient.errors import CheckpointError, ConfigError
 from resilient.exitcodes import ExitCode
+from resilient.runtime import hot
 from resilient.runtime._ddp import ddp_modules, pin_buckets
 from resilient.runtime.batches import ResumableBatches
-from resilient.runtime.dist import DistContext, init_distributed, shutdown_distributed
+from resilient.runtime.dist import (
+    DistContext,
+    abandon_distributed,
+    init_distributed,
+    shutdown_distributed,
+)
 from resilient.runtime.elastic import DataPosition
 from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.fingerprint import ReplayCheck, StepFingerprints
@@ -212,9 +220,18 @@ class Runtime(Loops):
         self.guards = Guard(self.watchdog, self.ctx, self.run_dir)
         self.guards.resume_split()
         # resilient: in-memory snapshots; the guard may agree on a rollback (runtime/snapshot.py)
-        self.snapshots = Snapshots(config.snapshot, self.ctx)
+        snap = config.snapshot
+        if hot.enabled() and self.ctx.distributed and not snap.enabled:
+            snap = dataclasses.replace(snap, enabled=True)  # hot recovery restores from them
+        self.snapshots = Snapshots(snap, self.ctx)
         if self.snapshots.enabled:
             self.guards.rollback = self.snapshots.agree_rollback
+        self._abandoned = False
+        if hot.enabled() and self.ctx.distributed and self.ctx.base_store is not None:
+            # a lost peer: re-run the script in place from the snapshots (runtime/hot.py)
+            store = self.ctx.base_store
+            self.snapshots.replicate = lambda held: hot.put_replica(store, self.rank, held)
+            self.guards.hot = lambda exc: hot.restart(self, exc)
         # resilient preemption: signals become a stop at an agreed step (runtime/preempt.py)
         self.preemption = PreemptionWatch(
             config.preempt,
@@ -339,6 +356,14 @@ class Runtime(Loops):
         """
         if not self._resumed:
             self.checkpoints.check_writable()
+            loaded = None
+            hot_step = None
+            if hot.enabled() and hot.generation() > 0 and self.ctx.distributed:
+                with self.watchdog.phase(Phase.CHECKPOINT):
+                    hot_step = hot.resume(self)  # None: no step every rank can restore
+            if hot_step is not None:
+                self._resume_hot(hot_step)
+                return self.step
             with self.watchdog.phase(Phase.CHECKPOINT):
                 loaded = self.checkpoints.load_latest(self.state)
             self.step = loaded or 0
@@ -357,6 +382,52 @@ class Runtime(Loops):
                     resumed_at=loaded,
                 )
         return self.step
+
+    def _resume_hot(self, step: int) -> None:
+        """After hot.resume() restored `step` from memory: what a load would have set up."""
+        self.step = step
+        self._saved_step = None
+        if self._data is not None:
+            self._data.apply()
+        self._resumed = True
+        self._last_save_time = time.monotonic()
+        self.log.info(ev.RUNTIME_RESUME, step=step, from_checkpoint=False, hot=True)
+        # the steps run again are compared with the ones the lost generation logged
+        self._fp.check = ReplayCheck.open(
+            self.log, self.log_path, rank=self.rank, world=self.world_size, resumed_at=step
+        )
+
+    def abandon(self, *, drain_s: float) -> bool:
+        """Take this Runtime down after a peer was lost, without waiting on the peer: stop
+        the threads, let an in-flight save fail or finish (up to `drain_s`), destroy the
+        process groups. False when the save did not drain. Later calls (close(), the loop's
+        own clean-up while the script unwinds) do nothing."""
+        global _current
+        if self._abandoned:
+            return True
+        self._abandoned = True
+        if _current is self:
+            _current = None
+        self.watchdog.stop(barrier=False)
+        self.preemption.uninstall()
+        self._uninstall_excepthook()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        drained = threading.Event()
+
+        def drain() -> None:
+            with contextlib.suppress(BaseException):  # a save that lost the peer fails
+                self.checkpoints.wait()
+            drained.set()
+
+        threading.Thread(target=drain, name="resilient-drain", daemon=True).start()
+        if not drained.wait(drain_s):
+            return False
+        with contextlib.suppress(BaseException):
+            self.checkpoints.close()
+        abandon_distributed(self.ctx)
+        return True
 
     def save(self, *, blocking: bool | None = None) -> None:
         """Checkpoint the tracked state at the current step (async unless configured)."""
@@ -462,6 +533,8 @@ class Runtime(Loops):
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""
         global _current
+        if self._abandoned:  # a hot recovery took it down already
+            return
         if _current is self:
             _current = None
         with self.watchdog.phase(Phase.FINISH):

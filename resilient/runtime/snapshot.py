@@ -204,6 +204,10 @@ class Snapshots:
         self._failures: dict[tuple[int, int], int] = {}
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
+        self.replicate: Any = None
+        """Set by the Runtime under hot recovery: called with {step: per-rank blob} of the
+        steps held after each snapshot (runtime/hot.py keeps them where a replacement
+        finds them)."""
 
     @property
     def enabled(self) -> bool:
@@ -290,6 +294,11 @@ class Snapshots:
         self._buf[slot] = _copy(self._buf[slot], live)
         self._steps[slot] = step
         self._newest = slot
+        if self.replicate is not None:
+            key = f"rank{self.ctx.rank}"
+            self.replicate(
+                {s: b[key] for s, b in zip(self._steps, self._buf, strict=True) if s >= 0 and b}
+            )
         self.copy_s = time.perf_counter() - t0
         self._copy_s = [*self._copy_s[-(_WINDOW - 1) :], self.copy_s]
         if self._newest >= 0 and self.bytes and (size := _nbytes(self._buf[slot])) > self.bytes:
@@ -299,6 +308,12 @@ class Snapshots:
     @property
     def held(self) -> list[int]:
         return sorted(s for s in self._steps if s >= 0)
+
+    def held_buffers(self) -> dict[int, dict[str, Any]]:
+        """Step -> the complete snapshot of it (a hot recovery carries them over)."""
+        if not self.enabled:
+            return {}
+        return {s: b for s, b in zip(self._steps, self._buf, strict=True) if s >= 0 and b}
 
     # ------------------------------------------------------------------ rolling back
     def agree_rollback(self, step: int, failed_rank: int) -> bool:

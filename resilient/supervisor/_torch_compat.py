@@ -10,6 +10,11 @@ them. That needs names torch does not document as an API:
 - The agent's state `_pcontext` (the worker processes; read for their pids) and
   `_remaining_restarts` (set to 0 to stop restarting), as torch's own LocalElasticAgent uses
   them: `worker_pids()` and `remaining_restarts` below.
+- For hot recovery (`--hot-recovery`), the process context of a script entrypoint,
+  `SubprocessContext`, and what it holds per local rank (`subprocess_handlers`, `envs`,
+  `args`, `stdouts`, `stderrs`, `entrypoint`, `_numa_options`, `_running_local_ranks`) with
+  torch's own `get_subprocess_handler`: `replace_worker()` below starts one new process for
+  one local rank and puts it where torch's monitor and shutdown look for that rank's worker.
 - `torch.distributed.run`'s `get_args_parser`, `parse_min_max_nnodes` and `config_from_args`:
   torchrun's flags, environment defaults and LaunchConfig, unchanged.
 
@@ -19,11 +24,14 @@ version and the feature (resilient/_torch_check.py), not in the middle of a run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from resilient._torch_check import (
     require_attrs,
@@ -46,6 +54,27 @@ for _hook, _params in _HOOKS.items():
     require_params(getattr(LocalElasticAgent, _hook), _params, feature=_AGENT)
 require_self_attrs(LocalElasticAgent, ("_pcontext", "_remaining_restarts"), feature=_AGENT)
 require_attrs(SimpleElasticAgent, ("get_worker_group",), feature=_AGENT)
+
+_HOT = "hot recovery's replacement of one worker (resilient run --hot-recovery)"
+require_self_attrs(
+    SubprocessContext,
+    (
+        "subprocess_handlers",
+        "envs",
+        "args",
+        "stdouts",
+        "stderrs",
+        "entrypoint",
+        "_numa_options",
+        "_running_local_ranks",
+    ),
+    feature=_HOT,
+)
+get_subprocess_handler = require_import(
+    "torch.distributed.elastic.multiprocessing.subprocess_handler",
+    "get_subprocess_handler",
+    feature=_HOT,
+)
 
 _PARSER = "resilient run's command line (torchrun's own flags)"
 get_args_parser = require_import("torch.distributed.run", "get_args_parser", feature=_PARSER)
@@ -98,6 +127,43 @@ class ElasticAgentBase(LocalElasticAgent):
         """Local rank -> pid of the running group; None before the first start."""
         pc = self._pcontext
         return None if pc is None else dict(pc.pids())
+
+    def worker_env(self, local_rank: int) -> dict[str, str]:
+        """The environment the running group's `local_rank` was started with."""
+        pc = self._pcontext
+        if not isinstance(pc, SubprocessContext):
+            raise RuntimeError(f"the workers run in a {type(pc).__name__}, not as subprocesses")
+        return dict(pc.envs[local_rank])
+
+    def replace_worker(self, local_rank: int, extra_env: dict[str, str]) -> int:
+        """Start a new process for `local_rank` of the running group, in place of its exited
+        one (reaped here): same entrypoint, arguments, environment plus `extra_env`, and log
+        files (the old ones are kept with the old pid as suffix). Returns the new pid. Raises
+        RuntimeError when the process context is not one of script entrypoints."""
+        pc = self._pcontext
+        if not isinstance(pc, SubprocessContext):
+            raise RuntimeError(f"the workers run in a {type(pc).__name__}, not as subprocesses")
+        old = pc.subprocess_handlers[local_rank]
+        old.proc.wait()
+        with contextlib.suppress(Exception):
+            old.close()  # its log file handles
+        env = {**pc.envs[local_rank], **extra_env}
+        for path in (pc.stdouts[local_rank], pc.stderrs[local_rank]):
+            if path and os.path.exists(path):
+                os.replace(path, f"{path}.{old.proc.pid}")
+        new = get_subprocess_handler(
+            entrypoint=pc.entrypoint,
+            args=pc.args[local_rank],
+            env=env,
+            stdout=pc.stdouts[local_rank],
+            stderr=pc.stderrs[local_rank],
+            local_rank_id=local_rank,
+            numa_options=pc._numa_options,
+        )
+        pc.subprocess_handlers[local_rank] = new
+        pc.envs[local_rank] = env
+        pc._running_local_ranks.add(local_rank)
+        return int(new.proc.pid)
 
     @property
     def max_restarts(self) -> int:

@@ -13,6 +13,12 @@ What changes:
   period: it saves, so the new world resumes with zero steps lost.
 - After a failure the supervisor's hooks decide: restart after a backoff, or stop (crash loop,
   preempted). A stop sets the remaining restarts to zero, so the agent returns the result.
+- Hot recovery (`hot_max` > 0, `resilient run --hot-recovery`): when exactly one local
+  worker dies and the group is not already recovering, the others are left running; one new
+  process takes the dead one's local rank (`replace_worker`) with the next generation, which
+  is published on the workers' store for the survivors, who re-run their script in place
+  (resilient/runtime/hot.py). Anything else, or a failure while a generation is still
+  forming, takes the restart path below, with a `recovery.cold` event saying why.
 - Every agent of a rendezvous round agrees on one attempt id, exported as RESILIENT_ATTEMPT:
   the workers' per-attempt store prefix. TORCHELASTIC_RESTART_COUNT differs between nodes
   after one rejoins, and a prefix built from it would split the group.
@@ -32,7 +38,7 @@ from typing import Any, Protocol
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from resilient.envvars import ENV_ATTEMPT
+from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
 
@@ -99,9 +105,13 @@ class SupervisedAgent(ElasticAgentBase):
         grace_s: float,
         stop_signal: signal.Signals,
         preempt_signals: tuple[signal.Signals, ...],
+        hot_max: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **kwargs)
+        self._hot_max = hot_max
+        self._hot_gen = 0
+        self._hot_store: Any = None
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -122,6 +132,7 @@ class SupervisedAgent(ElasticAgentBase):
         os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
         self._roots = {}
         self._handled = False
+        self._hot_gen, self._hot_store = 0, None
         pids = super().start_workers(worker_group)
         self._hooks.on_start(
             restart=self.restart_count,
@@ -150,6 +161,8 @@ class SupervisedAgent(ElasticAgentBase):
         if pids is not None and not self._roots:
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
             failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}
+            if failed and self._hot_max and self._hot_replace(worker_group, codes, failed):
+                failed = {}
             if failed:
                 self._roots = failed
                 alive = [lr for lr, c in codes.items() if c is None]
@@ -159,6 +172,81 @@ class SupervisedAgent(ElasticAgentBase):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return self._after_failure(worker_group, result)
         return result
+
+    def _hot_replace(
+        self, worker_group: WorkerGroup, codes: dict[int, int | None], failed: dict[int, int]
+    ) -> bool:
+        """Replace the one failed worker of a running group in place; False (with a
+        `recovery.cold` event, unless it was a preemption) when the group must restart."""
+        if any(c == ExitCode.PREEMPTED for c in failed.values()):
+            return False  # a coordinated stop, not a lost process
+        t0 = time.monotonic()
+        (lr, code), *_ = failed.items()
+        reason = None
+        if len(failed) > 1:
+            reason = f"{len(failed)} workers failed at once"
+        elif all(c is not None for c in codes.values()):
+            reason = "no surviving worker"
+        elif self._hot_gen >= self._hot_max:
+            reason = f"{self._hot_gen} hot recoveries in this attempt (--hot-max)"
+        else:
+            try:
+                store = self._hot_workers_store(worker_group)
+                prefix = f"resilient/attempt_{self.attempt_id}/hot"
+                if self._hot_gen and not store.check([f"{prefix}/gen_{self._hot_gen}/formed"]):
+                    reason = f"a failure while generation {self._hot_gen} was still forming"
+            except Exception as e:  # the store is gone: nothing can re-form through it
+                reason = f"the workers' store is unreachable: {e}"
+        rank = worker_group.workers[lr].global_rank
+        if reason is not None:
+            self._hooks.on_event(
+                "recovery.cold", reason=reason, rank=rank, local_rank=lr, exit_code=code
+            )
+            return False
+        gen = self._hot_gen + 1
+        try:
+            pid = self.replace_worker(lr, {ENV_GENERATION: str(gen)})
+        except Exception as e:
+            self._hooks.on_event(
+                "recovery.cold",
+                reason=f"the replacement did not start: {e}",
+                rank=rank,
+                local_rank=lr,
+                exit_code=code,
+            )
+            return False
+        worker_group.workers[lr].id = pid  # torch's monitor checks the group's pids
+        store.set(f"{prefix}/gen_{gen}/replaced", str(rank))
+        store.set(f"{prefix}/gen", str(gen))
+        self._hot_gen = gen
+        self._hooks.on_event(
+            "recovery.hot.replace",
+            rank=rank,
+            local_rank=lr,
+            exit_code=code,
+            generation=gen,
+            pid=pid,
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        return True
+
+    def _hot_workers_store(self, worker_group: WorkerGroup) -> Any:
+        """A client of the store the workers use (MASTER_ADDR:MASTER_PORT of their env)."""
+        if self._hot_store is None:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            w = worker_group.workers[0]
+            env = self.worker_env(w.local_rank)
+            self._hot_store = TCPStore(
+                env["MASTER_ADDR"],
+                int(env["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=10),
+                wait_for_workers=False,
+            )
+        return self._hot_store
 
     def _stop_survivors(
         self, pids: dict[int, int], alive: list[int], failed: dict[int, int]

@@ -64,6 +64,9 @@ class SupervisorConfig:
     """Signals that mean "save and leave" to the launcher and to every worker."""
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     """Backoff between restarts and the crash-loop limit."""
+    hot_max: int = 0
+    """Hot recoveries of a lost worker per attempt (`--hot-recovery`); 0: off, every failure
+    restarts the group (resilient/runtime/hot.py)."""
 
     def __post_init__(self) -> None:
         if not self.grace_s > 0:
@@ -134,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"stop with exit code {int(ExitCode.CRASH_LOOP)} after K consecutive restarts "
         "without checkpoint progress (default 3)",
     )
+    g.add_argument(
+        "--hot-recovery",
+        action="store_true",
+        help="when one worker dies, keep the others running: they re-form with a replacement "
+        "and continue from their in-memory snapshots, without a restart (Python scripts)",
+    )
+    g.add_argument(
+        "--hot-max",
+        type=int,
+        default=3,
+        metavar="N",
+        help="hot recoveries per attempt before a failure restarts the group (default 3)",
+    )
     return parser
 
 
@@ -159,6 +175,10 @@ def parse_command_line(
         raise UsageError(str(e)) from e
     _check_script(args)
     _choose_rendezvous(args, warn)
+    if args.hot_recovery and args.no_python:
+        raise UsageError("--hot-recovery re-runs a Python script in place: not with --no-python")
+    if args.hot_max < 1:
+        raise UsageError(f"--hot-max must be >= 1, got {args.hot_max}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.monitor_interval <= 0:
@@ -180,6 +200,7 @@ def parse_command_line(
         grace_s=args.grace_period,
         preempt_signals=signals,
         restart=policy,
+        hot_max=args.hot_max if args.hot_recovery else 0,
     )
     return cfg, args
 

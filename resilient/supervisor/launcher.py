@@ -29,6 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from resilient.envvars import (
     ENV_CHECKPOINT_DIR,
     ENV_GRACE_S,
+    ENV_HOT,
     ENV_PREEMPT_SIGNALS,
     ENV_RUN_DIR,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
@@ -84,6 +85,7 @@ def _launch(
         grace_s=sup.cfg.grace_s,
         stop_signal=sup.cfg.signals()[0] if sup.cfg.signals() else signal.SIGTERM,
         preempt_signals=sup.cfg.signals(),
+        hot_max=sup.cfg.hot_max,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -111,6 +113,9 @@ def main(argv: list[str]) -> int:
         cfg, args = parse_command_line(argv)
         config, entrypoint, cmd_args = config_from_args(args)
         config.shutdown_timeout = args.shutdown_timeout
+        if cfg.hot_max:
+            # the script runs under the worker wrapper, which re-runs it after a hot recovery
+            cmd_args = ["-u", "-m", "resilient.worker", *[a for a in cmd_args if a != "-u"]]
     except (UsageError, ResilientError, ValueError, AssertionError) as e:
         print(f"resilient run: error: {e}", file=sys.stderr)
         return int(ExitCode.USAGE)
@@ -134,6 +139,8 @@ def main(argv: list[str]) -> int:
         os.environ[ENV_CHECKPOINT_DIR] = cfg.checkpoint_url
     os.environ[ENV_GRACE_S] = repr(cfg.grace_s)
     os.environ[ENV_PREEMPT_SIGNALS] = ",".join(cfg.preempt_signals)
+    if cfg.hot_max:
+        os.environ[ENV_HOT] = "1"
     sup = Supervisor(
         cfg,
         run_id=config.run_id,

@@ -1,0 +1,256 @@
+"""Hot recovery of a lost process: the survivors re-run the script in place.
+
+Under `resilient run --hot-recovery` every worker runs the script through the worker wrapper
+(resilient/worker.py), and every rank keeps in-memory snapshots (runtime/snapshot.py). When a
+worker dies (kill -9, a crash, an OOM exit):
+
+1. The agent notices the exit, starts a replacement for that one local rank with
+   RESILIENT_GENERATION=g+1, and publishes generation g+1 on the store
+   (supervisor/agent.py). It does not stop the other workers.
+2. A survivor notices the loss as a failed collective (the guard's "peer" classification:
+   gloo reports a closed connection at once). Instead of exiting it calls `restart()`: it
+   keeps its snapshots in this module, takes its Runtime down without waiting on the lost
+   peer (threads stopped, an in-flight save drained, process groups destroyed) and raises
+   HotRestart, a BaseException that unwinds the user's script up to the wrapper.
+3. The wrapper waits for generation g+1 and runs the script again, in the same process:
+   python and torch stay imported, the script builds its model and optimizer again and
+   joins the new generation's process groups under their own store prefix.
+4. Every rank then resumes in `Runtime.resume()` through `resume()` below, with one
+   collective agreement on the newest snapshot step every rank can restore: a survivor from
+   its own snapshot, the replacement from a survivor (the replicated DDP state, sent point to
+   point) and from the replica of its per-rank state (RNG, data position) that the lost rank
+   left in the store at each snapshot. Durable checkpoints are not read.
+
+Why the script is re-run rather than the survivors patching their live objects: a replacement
+runs the whole start-up of the script (process groups, DDP's construction broadcast, the
+bucket pinning, the agreements of init()), and a survivor mid-step would have to mirror each
+of those collectives, in order, from wherever it was. Re-running the script makes every rank
+run the same code, so the collectives match by construction.
+
+Anything that cannot go hot goes cold (the agent's ordinary restart) with a reason: no
+snapshot step every rank can restore, no generation published within `WAIT_S` seconds, a save
+that does not drain, a second loss during recovery (the agent's rule).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch.distributed as dist
+
+from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, ENV_HOT, int_env
+from resilient.exitcodes import ExitCode
+from resilient.log import get_logger
+
+if TYPE_CHECKING:
+    from resilient.runtime.runtime import Runtime
+
+__all__ = [
+    "WAIT_S",
+    "HotRestart",
+    "enabled",
+    "generation",
+    "put_replica",
+    "restart",
+    "resume",
+    "store_prefix",
+]
+
+WAIT_S = 30.0
+"""How long a survivor waits for the agent's next generation before it gives up (cold)."""
+_DRAIN_S = 10.0
+"""How long a survivor waits for an in-flight async save to fail or finish."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_HOT, "") == "1"
+
+
+def generation() -> int:
+    return int_env(ENV_GENERATION, 0)
+
+
+def store_prefix(attempt: str | None = None) -> str:
+    """The attempt's hot-recovery keys in the launcher's store (no per-attempt prefix)."""
+    attempt = attempt if attempt is not None else os.environ.get(ENV_ATTEMPT, "0")
+    return f"resilient/attempt_{attempt}/hot"
+
+
+class HotRestart(BaseException):
+    """Unwinds the user's script to the worker wrapper, which runs it again in place.
+
+    A BaseException, so `except Exception` in a training loop does not swallow it."""
+
+    def __init__(self, generation: int, reason: str) -> None:
+        super().__init__(f"hot recovery to generation {generation}: {reason}")
+        self.generation = generation
+        self.reason = reason
+
+
+@dataclass
+class _Carry:
+    """What a survivor keeps across the in-place re-run of its script."""
+
+    generation: int
+    """The generation it waits for."""
+    steps: list[int]
+    buffers: dict[int, dict[str, Any]]
+    """Snapshot step -> this rank's state dict at that step (host memory)."""
+    store: Any
+    detected_at: float
+    reason: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+_carry: _Carry | None = None
+
+
+def carried() -> bool:
+    return _carry is not None
+
+
+# ---------------------------------------------------------------- the per-rank replica
+def put_replica(store: Any, rank: int, held: dict[int, bytes]) -> None:
+    """Keep this rank's per-rank state (RNG, data position: a few KiB) of the snapshot steps
+    it holds where a replacement can read it: the launcher's store, one key per rank."""
+    store.set(f"{store_prefix()}/replica/rank_{rank}", pickle.dumps(held))
+
+
+def _get_replica(store: Any, rank: int) -> dict[int, bytes]:
+    key = f"{store_prefix()}/replica/rank_{rank}"
+    if not store.check([key]):
+        return {}
+    return dict(pickle.loads(bytes(store.get(key))))  # written by our own rank's snapshots
+
+
+# ---------------------------------------------------------------- a survivor
+def restart(rt: Runtime, exc: BaseException) -> NoReturn:
+    """On a survivor that saw a peer's loss: keep the snapshots, take the Runtime down without
+    waiting on the lost peer, and unwind to the wrapper (HotRestart). Exits PEER_LOST (cold)
+    when that cannot be done."""
+    global _carry
+    log = get_logger()
+    t0 = time.monotonic()
+    gen = generation() + 1
+    snaps = rt.snapshots
+    held = snaps.held_buffers()
+    log.warning(
+        "recovery.hot.detect",
+        step=rt.watchdog.progress.step,
+        error=f"{type(exc).__name__}: {str(exc)[:300]}",
+        held=sorted(held),
+        next_generation=gen,
+    )
+    store = rt.ctx.base_store
+    if not held or store is None:
+        _cold(rt, "no in-memory snapshot on this rank yet" if not held else "no store")
+    if not rt.abandon(drain_s=_DRAIN_S):
+        _cold(rt, f"an in-flight async save did not finish within {_DRAIN_S:g} s")
+    _carry = _Carry(
+        generation=gen,
+        steps=sorted(held),
+        buffers=held,
+        store=store,
+        detected_at=t0,
+        reason=str(exc)[:300],
+        timings={"teardown_s": time.monotonic() - t0},
+    )
+    raise HotRestart(gen, str(exc)[:200])
+
+
+def _cold(rt: Runtime, reason: str) -> NoReturn:
+    from resilient.runtime.watchdog import exit_now
+
+    get_logger().error("recovery.cold", reason=reason, rank=rt.rank)
+    exit_now(ExitCode.PEER_LOST, kind="peer_lost", reason=f"hot recovery refused: {reason}")
+
+
+def await_generation() -> int:
+    """In the wrapper, after HotRestart: wait until the agent published the generation this
+    survivor waits for; returns it. Exits PEER_LOST (the agent then restarts cold) after
+    WAIT_S seconds."""
+    assert _carry is not None
+    key = f"{store_prefix()}/gen"
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if _carry.store.check([key]) and int(bytes(_carry.store.get(key))) >= _carry.generation:
+                _carry.timings["wait_generation_s"] = time.monotonic() - _carry.detected_at
+                return _carry.generation
+        except (RuntimeError, dist.DistError, ValueError):
+            pass  # the store may be briefly unreachable; keep trying until the deadline
+        time.sleep(0.005)
+    get_logger().error(
+        "recovery.cold",
+        reason=f"the launcher published no generation {_carry.generation} in {WAIT_S:g} s",
+    )
+    os._exit(int(ExitCode.PEER_LOST))
+
+
+# ---------------------------------------------------------------- every rank of the new generation
+def resume(rt: Runtime) -> int | None:
+    """In Runtime.resume() of generation g >= 1 (hot on): restore the newest snapshot step every
+    rank can restore. Returns that step, or None to load from storage as a cold start would.
+    Collectives on the control group: every rank of the generation calls it."""
+    global _carry
+    log = get_logger()
+    t0 = time.monotonic()
+    carry, _carry = _carry, None
+    store = rt.ctx.base_store
+    if carry is not None:
+        mine = {"steps": carry.steps, "survivor": True}
+    else:  # the replacement: the steps its lost predecessor left a replica of
+        replica = _get_replica(store, rt.rank) if store is not None else {}
+        mine = {"steps": sorted(replica), "survivor": False}
+    every: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(every, mine, group=rt.ctx.control_group)
+    common = set(every[0]["steps"])
+    for other in every[1:]:
+        common &= set(other["steps"])
+    survivors = [r for r, m in enumerate(every) if m["survivor"]]
+    target = max(common) if common and survivors else None
+    if target is None:
+        if rt.rank == 0:
+            log.error(
+                "recovery.cold",
+                reason="no snapshot step every rank can restore",
+                held={str(r): m["steps"] for r, m in enumerate(every)},
+            )
+        return None
+    src = survivors[0]
+    if carry is not None:
+        sd = carry.buffers[target]
+        if rt.rank == src:  # the replicated state for each replacement, point to point
+            shared = {k: v for k, v in sd.items() if not k.startswith("rank")}
+            for r, m in enumerate(every):
+                if not m["survivor"]:
+                    dist.send_object_list([shared], dst=r, group=rt.ctx.control_group)
+    else:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, group=rt.ctx.control_group)
+        sd = dict(box[0])
+        sd[f"rank{rt.rank}"] = replica[target]
+    transfer_s = time.monotonic() - t0
+    rt.state.apply(sd, rank=rt.rank)
+    del sd
+    if carry is not None:
+        carry.buffers.clear()
+    fields: dict[str, Any] = {
+        "to_step": target,
+        "generation": generation(),
+        "survivor": carry is not None,
+        "from_rank": src,
+        "transfer_s": round(transfer_s, 4),
+        "restore_s": round(time.monotonic() - t0, 4),
+    }
+    if carry is not None:
+        fields.update({k: round(v, 4) for k, v in carry.timings.items()})
+        fields["since_detect_s"] = round(time.monotonic() - carry.detected_at, 4)
+    log.warning("recovery.hot.formed", **fields)
+    if rt.rank == 0 and store is not None:
+        store.set(f"{store_prefix()}/gen_{generation()}/formed", "1")
+    return target
