@@ -3,6 +3,11 @@ again in the same process after a hot recovery (resilient/runtime/hot.py).
 
     python -u -m resilient.worker SCRIPT ARGS...       # what the agent starts per local rank
     python -u -m resilient.worker -m MODULE ARGS...
+    python -u -m resilient.worker --spare              # a warm spare (supervisor/spare.py)
+
+A spare imports torch and the runtime, then waits on stdin for one JSON line: the environment,
+arguments and log files of the local rank it replaces. It then becomes that worker, without
+paying for python's start and torch's import on the recovery's critical path.
 
 The script runs as `python SCRIPT ARGS` would run it (`__main__`, sys.argv, sys.path[0]), so
 a script needs no change. When a peer is lost, a surviving rank's Runtime raises HotRestart;
@@ -34,7 +39,34 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _become_assigned() -> list[str]:
+    """As a spare: wait for the assignment, take its environment and log files; its argv."""
+    import json
+
+    import torch
+    import torch._dynamo  # the first optimizer imports it lazily: about 1 s on CPU
+    import torch.distributed.checkpoint  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    import resilient.runtime.runtime  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)  # the agent let this spare go unused
+    job = json.loads(line)
+    for fd, path in ((1, job.get("stdout")), (2, job.get("stderr"))):
+        if path:
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    return list(job["argv"])
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--spare"]:
+        argv = _become_assigned()
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.exit("usage: python -m resilient.worker SCRIPT ARGS... | -m MODULE ARGS...")
     while True:

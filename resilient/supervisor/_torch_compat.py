@@ -15,6 +15,9 @@ them. That needs names torch does not document as an API:
   `args`, `stdouts`, `stderrs`, `entrypoint`, `_numa_options`, `_running_local_ranks`) with
   torch's own `get_subprocess_handler`: `replace_worker()` below starts one new process for
   one local rank and puts it where torch's monitor and shutdown look for that rank's worker.
+  A warm spare (supervisor/spare.py) was started by us, so its handler is a
+  `SubprocessHandler` whose fields (`proc`, `local_rank_id`, `_stdout`, `_stderr`) are set
+  here rather than by its constructor, which would start a process.
 - `torch.distributed.run`'s `get_args_parser`, `parse_min_max_nnodes` and `config_from_args`:
   torchrun's flags, environment defaults and LaunchConfig, unchanged.
 
@@ -32,6 +35,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from resilient._torch_check import (
     require_attrs,
@@ -70,6 +74,8 @@ require_self_attrs(
     ),
     feature=_HOT,
 )
+require_self_attrs(SubprocessHandler, ("proc", "local_rank_id", "_stdout", "_stderr"), feature=_HOT)
+require_attrs(SubprocessHandler, ("close",), feature=_HOT)
 get_subprocess_handler = require_import(
     "torch.distributed.elastic.multiprocessing.subprocess_handler",
     "get_subprocess_handler",
@@ -135,11 +141,15 @@ class ElasticAgentBase(LocalElasticAgent):
             raise RuntimeError(f"the workers run in a {type(pc).__name__}, not as subprocesses")
         return dict(pc.envs[local_rank])
 
-    def replace_worker(self, local_rank: int, extra_env: dict[str, str]) -> int:
+    def replace_worker(
+        self, local_rank: int, extra_env: dict[str, str], spare: Any = None
+    ) -> tuple[int, bool]:
         """Start a new process for `local_rank` of the running group, in place of its exited
         one (reaped here): same entrypoint, arguments, environment plus `extra_env`, and log
-        files (the old ones are kept with the old pid as suffix). Returns the new pid. Raises
-        RuntimeError when the process context is not one of script entrypoints."""
+        files (the old ones are kept with the old pid as suffix). A ready `spare`
+        (supervisor/spare.py) becomes the process when the workers run under the worker
+        wrapper. Returns (the new pid, whether the spare was used). Raises RuntimeError when
+        the process context is not one of script entrypoints."""
         pc = self._pcontext
         if not isinstance(pc, SubprocessContext):
             raise RuntimeError(f"the workers run in a {type(pc).__name__}, not as subprocesses")
@@ -151,19 +161,36 @@ class ElasticAgentBase(LocalElasticAgent):
         for path in (pc.stdouts[local_rank], pc.stderrs[local_rank]):
             if path and os.path.exists(path):
                 os.replace(path, f"{path}.{old.proc.pid}")
-        new = get_subprocess_handler(
-            entrypoint=pc.entrypoint,
-            args=pc.args[local_rank],
-            env=env,
-            stdout=pc.stdouts[local_rank],
-            stderr=pc.stderrs[local_rank],
-            local_rank_id=local_rank,
-            numa_options=pc._numa_options,
-        )
+        from resilient.supervisor.spare import spare_argv
+
+        argv = spare_argv(pc.args[local_rank])
+        if spare is not None and spare.ready and argv is not None:
+            proc = spare.take(
+                env={**os.environ, **env},
+                argv=argv,
+                stdout=pc.stdouts[local_rank] or None,
+                stderr=pc.stderrs[local_rank] or None,
+            )
+            new = SubprocessHandler.__new__(SubprocessHandler)
+            new._stdout = new._stderr = None  # the spare opened its log files itself
+            new.local_rank_id = local_rank
+            new.proc = proc
+            used = True
+        else:
+            new = get_subprocess_handler(
+                entrypoint=pc.entrypoint,
+                args=pc.args[local_rank],
+                env=env,
+                stdout=pc.stdouts[local_rank],
+                stderr=pc.stderrs[local_rank],
+                local_rank_id=local_rank,
+                numa_options=pc._numa_options,
+            )
+            used = False
         pc.subprocess_handlers[local_rank] = new
         pc.envs[local_rank] = env
         pc._running_local_ranks.add(local_rank)
-        return int(new.proc.pid)
+        return int(new.proc.pid), used
 
     @property
     def max_restarts(self) -> int:

@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
+from resilient.supervisor.spare import Spare
 
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
 
@@ -112,6 +113,7 @@ class SupervisedAgent(ElasticAgentBase):
         self._hot_max = hot_max
         self._hot_gen = 0
         self._hot_store: Any = None
+        self._spare = Spare() if hot_max else None
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -134,6 +136,8 @@ class SupervisedAgent(ElasticAgentBase):
         self._handled = False
         self._hot_gen, self._hot_store = 0, None
         pids = super().start_workers(worker_group)
+        if self._spare is not None:
+            self._spare.start()  # warm while the group trains: a replacement in waiting
         self._hooks.on_start(
             restart=self.restart_count,
             attempt_id=self.attempt_id,
@@ -205,7 +209,7 @@ class SupervisedAgent(ElasticAgentBase):
             return False
         gen = self._hot_gen + 1
         try:
-            pid = self.replace_worker(lr, {ENV_GENERATION: str(gen)})
+            pid, warm = self.replace_worker(lr, {ENV_GENERATION: str(gen)}, self._spare)
         except Exception as e:
             self._hooks.on_event(
                 "recovery.cold",
@@ -226,8 +230,11 @@ class SupervisedAgent(ElasticAgentBase):
             exit_code=code,
             generation=gen,
             pid=pid,
+            warm_spare=warm,
             seconds=round(time.monotonic() - t0, 4),
         )
+        if self._spare is not None:
+            self._spare.start()  # the next one
         return True
 
     def _hot_workers_store(self, worker_group: WorkerGroup) -> Any:
@@ -315,6 +322,8 @@ class SupervisedAgent(ElasticAgentBase):
 
     # ------------------------------------------------------------------ stop
     def stop_workers(self, worker_group: WorkerGroup) -> None:
+        if self._spare is not None:
+            self._spare.stop()
         if worker_group.state == WorkerState.HEALTHY:
             # a membership change: the group is fine; let it save and leave
             self._hooks.on_event("restart.membership", grace_s=self._grace_s)
@@ -327,6 +336,8 @@ class SupervisedAgent(ElasticAgentBase):
             time.sleep(delay)
 
     def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self._spare is not None:
+            self._spare.stop()
         if isinstance(sys.exc_info()[1], SignalException) and death_sig in self._preempt_signals:
             # run() is forwarding a signal the launcher got: the workers have the grace period
             # to commit; a repeated signal (Slurm signals every process of the step) must not
