@@ -106,7 +106,10 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         "attempt": p.attempt,
     }
     if fault.kind in IN_PROCESS:  # armed at launch: wait for the rank to report it fired
-        n_before = sum(1 for q in plan(sc) if q.fault.kind in IN_PROCESS and q.attempt < p.attempt)
+        # each fires once and records once, in step order (several may share an attempt
+        # in hot mode, where an in-place recovery starts none)
+        inside = [q.fault for q in plan(sc) if q.fault.kind in IN_PROCESS]
+        n_before = next(i for i, f in enumerate(inside) if f is fault or f == fault)
         rec = wait_for(
             lambda: ([r for r in _chaos_records(run_dir) if r.get("source") != "runner"] + [None])[
                 n_before

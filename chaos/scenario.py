@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
 __all__ = [
     "FAULT_KINDS",
     "HOT_KINDS",
+    "HOT_ONLY",
     "LOST_PROCESS",
     "Fault",
     "Scenario",
@@ -72,7 +73,7 @@ S3_ONLY = {"storage_errors", "storage_latency"}
 TWO_HOSTS = {"node_loss"}
 """Need `hosts = 2`; a two-host scenario has only these."""
 _PHASES = ("data", "forward", "backward", "optimizer", "step")
-_NEW = {"raise_twice", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
+HOT_ONLY = {"raise_twice", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
 """Kinds of hot mode that the cold draw leaves out, so a seed's cold schedules stay as
 they were before hot mode existed."""
 LOST_PROCESS = {"kill", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
@@ -300,7 +301,7 @@ def _draw_cold(
     kinds = sorted(
         k
         for k in FAULT_KINDS
-        if (storage == "s3" or k not in S3_ONLY) and k not in TWO_HOSTS and k not in _NEW
+        if (storage == "s3" or k not in S3_ONLY) and k not in TWO_HOSTS and k not in HOT_ONLY
     )
     if storage == "s3":
         kinds.remove("disk_full")

@@ -476,12 +476,14 @@ def _recoveries(
             detect_t = min(detected) if detected else t
         else:
             restored_t = t
-            after = [
-                w for w in progress if int(w.get("restart", 0)) == a and float(w["t0"]) >= t - 0.001
-            ]
+            # the window a retry happened in goes on; a rollback starts a new one
+            after = [w for w in progress if int(w.get("restart", 0)) == a and w["t"] >= t]
             lost = _hot_lost(done, rank0, t, a)
             detect_t = min(detected) if detected else t
-        first_step = min((float(w["t1_first"]) for w in after), default=None)
+        # the first step completed after the recovery
+        first_step = min(
+            (float(w["t1_first"]) for w in after if float(w["t1_first"]) >= t), default=None
+        )
         out.append(
             FaultReport(
                 attempt=a,
