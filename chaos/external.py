@@ -111,9 +111,14 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         inside = [q.fault for q in plan(sc) if q.fault.kind in IN_PROCESS]
         n_before = next(i for i, f in enumerate(inside) if f is fault or f == fault)
         rec = wait_for(
-            lambda: ([r for r in _chaos_records(run_dir) if r.get("source") != "runner"] + [None])[
-                n_before
-            ],
+            lambda: (
+                [
+                    r
+                    for r in _chaos_records(run_dir)
+                    if r.get("source") != "runner" and r.get("repeat") is None
+                ]
+                + [None]
+            )[n_before],
             timeout=sc.timeout_s,
             what=f"{fault.kind} to fire at step {fault.at_step}",
         )

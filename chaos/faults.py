@@ -93,6 +93,8 @@ class Fault:
         where = f"rank {rank}, step {step}, phase {phase}"
         if self.fired == 1:  # a `slow` fault fires every step: its start is the event
             _record(self.kind, rank, step, phase)
+        elif self.kind in ("raise", "oom"):  # fired again (times=2): a fault of its own
+            _record(self.kind, rank, step, phase, repeat=self.fired - 1)
         if self.kind == "oom":
             import torch
 
@@ -115,11 +117,14 @@ class Fault:
             os._exit(int(ExitCode.OOM))
 
 
-def _record(kind: str, rank: int, step: int, phase: str) -> None:
+def _record(kind: str, rank: int, step: int, phase: str, repeat: int | None = None) -> None:
     """One `chaos.fault {json}` line on stderr, and the same event in <run_dir>/logs/
-    chaos.jsonl (where `resilient report` reads fault times) once the run logs there."""
+    chaos.jsonl (where `resilient report` reads fault times) once the run logs there.
+    `repeat`: the n-th firing again of one armed fault (the runner counts first firings)."""
     now = time.time()
-    record = {"kind": kind, "rank": rank, "step": step, "phase": phase, "time": now}
+    record: dict[str, Any] = {"kind": kind, "rank": rank, "step": step, "phase": phase, "time": now}
+    if repeat is not None:
+        record["repeat"] = repeat
     print(f"chaos.fault {json.dumps(record)}", file=sys.stderr)
     sys.stderr.flush()
     from resilient import log

@@ -309,7 +309,7 @@ def test_hot_mode_in_process_faults_recover_as_expected_and_end_bit_exact(tmp_pa
             Fault(kind="raise_twice", rank=1, at_step=10, phase="backward"),
         ],
     )
-    result = run_scenario(sc, tmp_path)
+    result = run_scenario(sc, tmp_path, keep=True)
     assert result.ok, f"{result.failures}\n{result.checks}"
     assert result.checks["a_bitwise_equal"] == "pass"
     assert result.checks["g_recovery"] == (
@@ -317,6 +317,20 @@ def test_hot_mode_in_process_faults_recover_as_expected_and_end_bit_exact(tmp_pa
     )
     assert result.checks["b_steps_lost"].startswith("[0, 0, ")  # in place: nothing lost
     assert result.checks["e_no_leftover"] == "pass" and result.hot
+    # `resilient report` on the real logs: each recovery's kind, labelled by its own fault
+    from resilient.report import COLD, HOT_ROLLBACK, RETRY, analyze, format_report
+
+    rep = analyze(Path(result.run_dir) / "run")
+    assert [(f.kind, f.recovery) for f in rep.faults] == [
+        ("raise", HOT_ROLLBACK),
+        ("oom", RETRY),
+        ("raise", HOT_ROLLBACK),  # raise_twice: the first firing is rolled back...
+        ("raise", COLD),  # ...the second, at the same step, restarts the group
+    ]
+    assert all(f.exact_time and f.detect_s is not None for f in rep.faults)
+    assert [f.steps_lost for f in rep.faults[:3]] == [0, 0, 0]
+    assert rep.final_step == 16 and rep.attempts == 2
+    assert "hot rollback" in format_report(rep)
 
 
 @pytest.mark.timeout(60)
