@@ -480,10 +480,16 @@ def _recoveries(
             after = [w for w in progress if int(w.get("restart", 0)) == a and w["t"] >= t]
             lost = _hot_lost(done, rank0, t, a)
             detect_t = min(detected) if detected else t
-        # the first step completed after the recovery
-        first_step = min(
-            (float(w["t1_first"]) for w in after if float(w["t1_first"]) >= t), default=None
-        )
+        # the first step completed after the recovery: a window's first step, or (in place,
+        # where the window a retry came in goes on) rank 0's step.fingerprint, one per step
+        ends = [float(w["t1_first"]) for w in after]
+        if kind != COLD:
+            ends += [
+                e["t"]
+                for e in rank0
+                if e.get("event") == ev.STEP_FINGERPRINT and int(e.get("restart", 0)) == a
+            ]
+        first_step = min((x for x in ends if x >= t), default=None)
         out.append(
             FaultReport(
                 attempt=a,
