@@ -347,3 +347,43 @@ def test_hot_lost_process_scenarios_wait_for_hot_recovery(tmp_path: Path):
         pytest.skip("resilient run has --hot-recovery: the matrix runs hot_lost_process.toml")
     result = run_scenario(Scenario.load(SCENARIOS / "hot_lost_process.toml"), tmp_path)
     assert result.skipped and "--hot-recovery" in result.skipped and result.hot
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("spec", "code", "phase"),
+    [
+        ("kill@rank=1,step=3,phase=snapshot", -9, "snapshot"),
+        ("oom_exit@rank=1,step=3,phase=forward", 83, "forward"),
+    ],
+    ids=["kill_during_snapshot", "oom_exit"],
+)
+def test_lost_process_faults_fire_where_they_are_aimed(tmp_path: Path, spec, code, phase):
+    """The injection behind the gated lost-process scenarios works today: rank 1 dies inside
+    its snapshot copy (or leaves with the OOM exit code in its forward) at step 3, and says
+    so in chaos.jsonl; its peer is left to the peer-loss path (plain ranks, no launcher)."""
+    from helpers import assert_no_process_left
+
+    from chaos.observe import _chaos_records
+    from chaos.ranks import Ranks
+    from resilient.exitcodes import ExitCode
+
+    argv = ["-m", "chaos.inject", "--fault", spec, "--", "tests/workers/guarded_train.py"]
+    argv += ["--mode", "micro", "--steps", "6", "--ckpt-dir", str(tmp_path / "ckpt")]
+    argv += ["--run-dir", str(tmp_path / "run")]
+    env = {
+        "RESILIENT_WATCHDOG": json.dumps({"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5}),
+        "RESILIENT_SNAPSHOT": json.dumps({"enabled": True, "every_steps": 1}),
+    }
+    ranks = Ranks(2, argv, log_dir=tmp_path / "out", env=env)
+    try:
+        codes = ranks.wait(90)
+        assert_no_process_left(ranks, tmp_path / "run")
+    finally:
+        ranks.kill()
+    assert codes[1] == code, codes
+    assert codes[0] not in (0, None), codes  # rank 0 lost its peer: it must not finish
+    assert codes[0] != ExitCode.OK
+    (fault,) = _chaos_records(tmp_path / "run")
+    assert (fault["rank"], fault["step"], fault["phase"]) == (1, 3, phase)
