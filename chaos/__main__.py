@@ -4,6 +4,7 @@ python -m chaos run FILE.toml [FILE.toml ...]   run the given scenarios
 python -m chaos matrix                          every scenario in chaos/scenarios/ (CI's set)
 python -m chaos soak --seed 7 --runs 200        seeded random fault schedules
 python -m chaos soak --seed 7 --runs 200 --jobs 2 --summary soak.json
+python -m chaos run chaos/scenarios/hot_in_process.toml   a hot-mode scenario (hot = true)
 python -m chaos summary soak.json                a soak's results as a Markdown table
 
 A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
@@ -44,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--runs", type=int, default=200)
     s.add_argument("--first", type=int, default=0, help="skip the schedules before this one")
+    s.add_argument(
+        "--hot-fraction",
+        type=float,
+        default=0.25,
+        help="the share of runs in hot mode (drawn from the seed; 0: cold only)",
+    )
     summ = sub.add_parser("summary", help="a soak's --summary JSON as a Markdown table")
     summ.add_argument("file", type=Path)
     for q in (r, s):
@@ -60,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "matrix":
         scenarios = [Scenario.load(f) for f in sorted(SCENARIOS.glob("*.toml"))]
     else:
-        scenarios = generate(args.seed, args.runs)[args.first :]
+        from chaos.launch import hot_recovery_unavailable
+
+        # lost-process faults in hot runs only where `resilient run --hot-recovery` exists
+        hot_lost = args.hot_fraction > 0 and hot_recovery_unavailable() is None
+        scenarios = generate(
+            args.seed, args.runs, hot_fraction=args.hot_fraction, hot_lost=hot_lost
+        )[args.first :]
     started = time.monotonic()
     jobs = max(1, getattr(args, "jobs", 1))
     summary_path: Path | None = getattr(args, "summary", None)

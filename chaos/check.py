@@ -7,6 +7,9 @@ b. each restart resumes from the newest checkpoint valid at the fault, and check
 c. no checkpoint that failed verification was ever loaded
 d. the run ended within its time bound
 e. no process of the run remains
+g. (hot mode) each fault was followed by the recovery its scenario expects: hot (rolled back
+   in place, or a warm replacement), an OOM retry in place, or cold; a hot one lost at most
+   one snapshot interval plus the copy in flight
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from chaos.external import Injected
-from chaos.observe import _attempt_steps, _epoch, _inits
+from chaos.observe import _attempt_inits as _inits
+from chaos.observe import _attempt_steps, _epoch
 from chaos.plan import Planned, time_bound_s
 from chaos.procs import events
 from chaos.replay_check import check_replay
@@ -59,7 +63,7 @@ def _check(
     rank0 = list(events(run_dir, 0))  # read once: every check below looks at rank 0's log
     resumes = [int(e["step"]) for e in rank0 if e.get("event") == "runtime.resume"]
     attempts = len(_inits(run_dir, 0))
-    expected_attempts = 1 + sum(1 for p in planned if p.fault.restarts)
+    expected_attempts = 1 + sum(1 for p in planned if p.restarts)
     if len(injected) == len(planned) and attempts != expected_attempts:
         failures.append(f"b4: {attempts} attempts, expected {expected_attempts}")
     commits = [
@@ -73,8 +77,8 @@ def _check(
             damaged[inj.corrupted_step] = inj.wall_time
         if inj.kind in ("storage_errors", "storage_latency", "disk_full") and not inj.bit:
             failures.append(f"b: {inj.kind} never reached the storage")
-        if not p.fault.restarts:
-            lost.append(0)
+        if not p.restarts:
+            lost.append(_hot_lost(p, inj, rank0) if p.expect == "hot" else 0)
             continue
         k = p.attempt
         if k + 1 >= len(resumes) or (inj.completed is None and k >= len(steps)):
@@ -122,6 +126,23 @@ def _check(
     checks["b_steps_lost"] = f"{lost} (interval {sc.save_every})" + (
         f"; over one interval allowed: {', '.join(why)}" if why else ""
     )
+    if sc.hot:  # g. the recovery each fault had, from the events
+        seen = _recoveries(run_dir, planned, injected)
+        checks["g_recovery"] = ", ".join(
+            f"{p.fault.kind}: {got} (expected {p.expect})"
+            for p, got in zip(planned, seen, strict=False)
+        )
+        for p, got in zip(planned, seen, strict=False):
+            if got != p.expect:
+                failures.append(
+                    f"g: {p.fault.kind} at step {p.fault.at_step}: {got}, expected {p.expect}"
+                )
+        for p, n in zip(planned, lost, strict=False):
+            if p.expect == "hot" and (n is None or n > _HOT_LOST_MAX):
+                failures.append(
+                    f"g: {p.fault.kind} at step {p.fault.at_step} lost {n} steps hot, more than "
+                    f"{_HOT_LOST_MAX} (a snapshot every step, one copy in flight)"
+                )
     # c. nothing that failed verification was loaded
     # A load of step S is bad when it came after S was damaged and before S was saved
     # again; a load of S before the damage read it intact.
@@ -170,3 +191,52 @@ def _check(
     if checks["a_bitwise_equal"] not in ("pass",) and sc.hosts == 1:
         failures.append(f"a: final digest {digest} != golden {gold['digest']}")
     return checks
+
+
+_HOT_LOST_MAX = 2
+"""Hot mode snapshots every step: a rollback loses the step it failed in, at most one more
+when the newest copy was in the making (kill_during_snapshot)."""
+
+_HOT = ("rollback.done", "recovery.hot.formed")
+_COLD = ("recovery.cold",)
+
+
+def _hot_lost(p: Planned, inj: Injected, rank0: list[dict[str, Any]]) -> int | None:
+    """Steps a hot recovery gave up: the fault's step back to the snapshot step it rolled
+    back to (rollback.done), or what recovery.hot.formed says."""
+    for e in rank0:
+        if _epoch(e["ts"]) < inj.wall_time - 0.001:
+            continue
+        if e.get("event") == "rollback.done":
+            return max(0, p.fault.at_step - int(e["to_step"]))
+        if e.get("event") == "recovery.hot.formed" and e.get("steps_lost") is not None:
+            return int(e["steps_lost"])
+    return None
+
+
+def _recoveries(run_dir: Path, planned: list[Planned], injected: list[Injected]) -> list[str]:
+    """For each fault, what followed it before the next one: "cold" (a new attempt, or a
+    recovery.cold event), else "hot" (rollback.done or recovery.hot.formed), else "retry"
+    (oom.retry), else "none". A hot try that fell to cold (the same fault twice) is cold."""
+    evs = sorted(((_epoch(e["ts"]), e) for e in events(run_dir) if "ts" in e), key=lambda te: te[0])
+    out = []
+    for i, (p, inj) in enumerate(zip(planned, injected, strict=False)):
+        t0 = inj.wall_time - 0.001
+        t1 = injected[i + 1].wall_time if i + 1 < len(injected) else float("inf")
+        names = {e.get("event") for t, e in evs if t0 <= t < t1}
+        new_attempt = any(
+            e.get("event") == "runtime.init"
+            and int(e.get("restart", 0)) > p.restart
+            and int(e.get("generation") or 0) == 0
+            for t, e in evs
+            if t0 <= t < t1
+        )
+        if new_attempt or names & set(_COLD):
+            out.append("cold")
+        elif names & set(_HOT):
+            out.append("hot")
+        elif "oom.retry" in names:
+            out.append("retry")
+        else:
+            out.append("none")
+    return out

@@ -21,7 +21,8 @@ from typing import Any
 import fsspec
 
 from chaos.launch import _Env
-from chaos.observe import _chaos_records, _epoch, _inits, _printed_steps, _since_attempt
+from chaos.observe import _attempt_inits as _inits
+from chaos.observe import _chaos_records, _epoch, _printed_steps, _since_attempt
 from chaos.plan import Planned, plan
 from chaos.procs import Run, latest_event, wait_for
 from chaos.scenario import IN_PROCESS
@@ -46,6 +47,8 @@ class Injected:
     """Storage and disk faults: requests that got the fault, or saves that failed."""
     completed: int | None = None
     """node_loss: steps rank 0 had printed when the host was lost."""
+    buddy_pid: int | None = None
+    """kill_with_buddy: the second worker killed."""
 
 
 def _ckpt_fs(env: _Env) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -103,11 +106,19 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         "attempt": p.attempt,
     }
     if fault.kind in IN_PROCESS:  # armed at launch: wait for the rank to report it fired
-        n_before = sum(1 for q in plan(sc) if q.fault.kind in IN_PROCESS and q.attempt < p.attempt)
+        # each fires once and records once, in step order (several may share an attempt
+        # in hot mode, where an in-place recovery starts none)
+        inside = [q.fault for q in plan(sc) if q.fault.kind in IN_PROCESS]
+        n_before = next(i for i, f in enumerate(inside) if f is fault or f == fault)
         rec = wait_for(
-            lambda: ([r for r in _chaos_records(run_dir) if r.get("source") != "runner"] + [None])[
-                n_before
-            ],
+            lambda: (
+                [
+                    r
+                    for r in _chaos_records(run_dir)
+                    if r.get("source") != "runner" and r.get("repeat") is None
+                ]
+                + [None]
+            )[n_before],
             timeout=sc.timeout_s,
             what=f"{fault.kind} to fire at step {fault.at_step}",
         )
@@ -175,6 +186,11 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         info["bit"] = int(failed["step"])
     elif fault.kind == "sigterm":
         os.kill(run.proc.pid, signal.SIGTERM)
+    elif fault.kind == "kill_with_buddy":  # both copies of a snapshot go at once
+        buddy = (fault.rank + 1) % (sc.nproc * sc.hosts)
+        info["buddy_pid"] = int(_inits(run_dir, buddy)[p.attempt]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        os.kill(info["buddy_pid"], signal.SIGKILL)
     else:
         sig = {"sigstop": signal.SIGSTOP, "sigterm_rank": signal.SIGTERM}.get(
             fault.kind, signal.SIGKILL

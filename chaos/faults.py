@@ -7,6 +7,10 @@ A fault spec is `KIND@key=value,...`:
     hang@rank=1,step=4,phase=forward         sleep forever in the main thread
     stop@rank=1,step=4                       SIGSTOP itself (it cannot dump its own stacks)
     kill@rank=0,step=6,phase=optimizer       SIGKILL itself
+    kill@rank=1,step=9,phase=snapshot        SIGKILL itself inside the in-memory snapshot
+                                             taken after step 9, before it is complete
+    oom_exit@rank=1,step=5,phase=forward     exit at once with the OOM exit code (a lost
+                                             process, not an exception)
     slow@rank=2,phase=forward,seconds=0.2    sleep that long every step (a straggler)
 
 Keys: rank (default: every rank), step (default: every step), phase (default: step; any
@@ -45,6 +49,7 @@ KINDS = {
     "hang": "sleep in the main thread (forever, or `seconds`)",
     "stop": "SIGSTOP this process",
     "kill": "SIGKILL this process",
+    "oom_exit": "os._exit(ExitCode.OOM): the process is gone, as after the OOM killer",
     "slow": "sleep `seconds` (default 0.1) each time",
 }
 
@@ -72,7 +77,8 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(KINDS)}")
         from resilient.runtime.heartbeat import Phase
 
-        Phase.parse(self.phase)  # raises on an unknown phase name
+        if self.phase != SNAPSHOT:  # not a phase: inside Snapshots.take (see install)
+            Phase.parse(self.phase)  # raises on an unknown phase name
 
     def matches(self, rank: int, restart: int, step: int, phase: str, generation: int = 0) -> bool:
         hit = (
@@ -92,6 +98,8 @@ class Fault:
         where = f"rank {rank}, step {step}, phase {phase}"
         if self.fired == 1:  # a `slow` fault fires every step: its start is the event
             _record(self.kind, rank, step, phase)
+        elif self.kind in ("raise", "oom"):  # fired again (times=2): a fault of its own
+            _record(self.kind, rank, step, phase, repeat=self.fired - 1)
         if self.kind == "oom":
             import torch
 
@@ -108,13 +116,20 @@ class Fault:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "oom_exit":
+            from resilient.exitcodes import ExitCode
+
+            os._exit(int(ExitCode.OOM))
 
 
-def _record(kind: str, rank: int, step: int, phase: str) -> None:
+def _record(kind: str, rank: int, step: int, phase: str, repeat: int | None = None) -> None:
     """One `chaos.fault {json}` line on stderr, and the same event in <run_dir>/logs/
-    chaos.jsonl (where `resilient report` reads fault times) once the run logs there."""
+    chaos.jsonl (where `resilient report` reads fault times) once the run logs there.
+    `repeat`: the n-th firing again of one armed fault (the runner counts first firings)."""
     now = time.time()
-    record = {"kind": kind, "rank": rank, "step": step, "phase": phase, "time": now}
+    record: dict[str, Any] = {"kind": kind, "rank": rank, "step": step, "phase": phase, "time": now}
+    if repeat is not None:
+        record["repeat"] = repeat
     print(f"chaos.fault {json.dumps(record)}", file=sys.stderr)
     sys.stderr.flush()
     from resilient import log
@@ -156,9 +171,13 @@ def parse(spec: str) -> Fault:
     return Fault(**fields)
 
 
+SNAPSHOT = "snapshot"
+"""A pseudo-phase: the fault fires inside the in-memory snapshot of step `step`, after the
+copy into its buffer and before the buffer is marked complete."""
 _installed: list[Fault] = []
 _original: Any = None
 _generation = [0]
+_original_take: Any = None
 
 
 def install(faults: list[Fault]) -> None:
@@ -183,13 +202,46 @@ def install(faults: list[Fault]) -> None:
                 f.fire(rank, self.step, name)
 
     Progress.enter = enter  # type: ignore[method-assign]
+    _wrap_snapshots(rank, restart)
+
+
+def _wrap_snapshots(rank: int, restart: int) -> None:
+    """Faults with phase=snapshot fire inside `Snapshots.take`, once its copy is made and
+    before the step is marked held: a kill there loses the copy in the making."""
+    global _original_take
+    from resilient.runtime import snapshot
+
+    take, copy = snapshot.Snapshots.take, snapshot._copy
+    _original_take = (take, copy)
+    due: list[tuple[Fault, int]] = []
+
+    def take_(self: Any, step: int) -> None:
+        gen = _generation[0]
+        due[:] = [(f, step) for f in _installed if f.matches(rank, restart, step, SNAPSHOT, gen)]
+        try:
+            take(self, step)
+        finally:
+            due.clear()
+
+    def copy_(*args: Any, **kwargs: Any) -> Any:
+        out = copy(*args, **kwargs)
+        for f, step in list(due):
+            f.fire(rank, step, SNAPSHOT)
+        return out
+
+    snapshot.Snapshots.take = take_  # type: ignore[method-assign]
+    snapshot._copy = copy_
 
 
 def uninstall() -> None:
-    global _original
+    global _original, _original_take
+    from resilient.runtime import snapshot
     from resilient.runtime.heartbeat import Progress
 
     if _original is not None:
         Progress.enter = _original  # type: ignore[method-assign]
         _original = None
+    if _original_take is not None:
+        snapshot.Snapshots.take, snapshot._copy = _original_take  # type: ignore[method-assign]
+        _original_take = None
     _installed.clear()

@@ -18,9 +18,9 @@ from chaos.plan import _WATCHDOG, Planned
 from chaos.procs import REPO, Run
 from chaos.scenario import Scenario
 from chaos.storage import LoopbackS3, SmallDisk
-from resilient.envvars import ENV_PREEMPT, ENV_WATCHDOG
+from resilient.envvars import ENV_PREEMPT, ENV_SNAPSHOT, ENV_WATCHDOG
 
-__all__ = ["_CHAOS_ENV", "_Env", "_launch_cmd", "golden"]
+__all__ = ["_CHAOS_ENV", "_HOT_ENV", "_Env", "_launch_cmd", "golden", "hot_recovery_unavailable"]
 
 
 _CHAOS_ENV = {
@@ -32,6 +32,48 @@ _CHAOS_ENV = {
     # scenario's 24 steps of 40-150 ms, so one stop could overshoot the next fault's step
     ENV_PREEMPT: json.dumps({"check_interval_s": 0.1}),
 }
+
+
+_HOT_ENV = {
+    # hot mode: a snapshot after every step, so a rollback loses at most the step it failed in
+    ENV_SNAPSHOT: json.dumps({"enabled": True, "every_steps": 1}),
+}
+
+_HOT_FLAG = "--hot-recovery"
+_hot_flag: list[bool] = []
+
+
+def hot_recovery_unavailable() -> str | None:
+    """None when `resilient run` has --hot-recovery (a warm replacement for a lost process),
+    else why the lost-process scenarios of hot mode cannot run. Asked once per process."""
+    if not _hot_flag:
+        import subprocess
+
+        out = subprocess.run(
+            [sys.executable, "-m", "resilient.cli", "run", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        _hot_flag.append(_HOT_FLAG in out.stdout)
+    if _hot_flag[0]:
+        return None
+    return (
+        f"`resilient run` has no {_HOT_FLAG} yet (issue 10 items 2-3): a lost process cannot "
+        "be recovered hot"
+    )
+
+
+def _spec(p: Planned) -> str:
+    """The chaos.inject spec that arms an in-process fault of a scenario."""
+    f = p.fault
+    kind, phase, extra = f.kind, f.phase, ""
+    if kind == "raise_twice":  # fires again at the same step after the rollback
+        kind, extra = "raise", ",times=2"
+    elif kind == "kill_during_snapshot":
+        kind, phase = "kill", "snapshot"
+    return f"--fault={kind}@rank={f.rank},step={f.at_step},phase={phase},restart={p.restart}{extra}"
 
 
 @dataclass(slots=True)
@@ -56,6 +98,9 @@ def _launch_cmd(
     max_restarts: int,
     in_process: list[Planned],
     rendezvous: list[str] | None = None,
+    *,
+    hot_recovery: bool = False,
+    splits: list[tuple[int, int]] | None = None,
 ) -> list[str]:
     """`resilient run` (the product's supervisor on torch elastic) around the recipe, through
     `python -m chaos.inject` when in-process faults are armed for this launch."""
@@ -65,6 +110,10 @@ def _launch_cmd(
         *("--corpus-chars", str(sc.corpus_chars), "--batch-size", "8"),
         *("--ckpt-dir", ckpt_url, "--run-dir", str(out / "run")),
     ]
+    if sc.hot:
+        recipe_args.append("--micro-batches")
+        if splits:  # the fault-free run: the splits the faulty run's OOM retries leave
+            recipe_args += ["--splits", ",".join(f"{s}:{k}" for s, k in splits)]
     cmd = [
         sys.executable,
         "-m",
@@ -79,15 +128,12 @@ def _launch_cmd(
         "--restart-backoff=0.1",
         "--restart-jitter=0",
         f"--crash-loop-restarts={max_restarts + 1}",  # faults, not a crash loop
+        *([_HOT_FLAG] if hot_recovery else []),
     ]
     script = str(REPO / "recipes" / sc.recipe)
     if not in_process:
         return [*cmd, script, *recipe_args]
-    specs = [
-        f"--fault={p.fault.kind}@rank={p.fault.rank},step={p.fault.at_step},"
-        f"phase={p.fault.phase},restart={p.restart}"
-        for p in in_process
-    ]
+    specs = [_spec(p) for p in in_process]
     return [*cmd, "-m", "chaos.inject", *specs, "--", script, *recipe_args]
 
 
@@ -104,15 +150,18 @@ def golden(sc: Scenario, cache: Path) -> dict[str, Any]:
     with _GOLDEN_GUARD:
         lock = _GOLDEN_LOCKS.setdefault(out, threading.Lock())
     with lock:  # a two-host scenario compares with the same world on one host
-        return _golden(dataclasses.replace(sc, nproc=sc.nproc * sc.hosts, hosts=1, faults=[]), out)
+        clean = dataclasses.replace(sc, nproc=sc.nproc * sc.hosts, hosts=1, faults=[])
+        return _golden(clean, out, sc.splits())
 
 
-def _golden(sc: Scenario, out: Path) -> dict[str, Any]:
+def _golden(sc: Scenario, out: Path, splits: list[tuple[int, int]]) -> dict[str, Any]:
+    """The fault-free run; in hot mode with snapshots off, so equal bits also show that
+    taking them changes nothing."""
     done = out / "golden.json"
     if done.exists():
         return dict(json.loads(done.read_text()))
     shutil.rmtree(out, ignore_errors=True)
-    cmd = _launch_cmd(sc, out, str(out / "ckpt"), 0, [])
+    cmd = _launch_cmd(sc, out, str(out / "ckpt"), 0, [], splits=splits)
     with Run(cmd, log_path=out / "stdout.log", env=_CHAOS_ENV) as run:
         rc = run.wait(sc.timeout_s)
         if rc != 0:

@@ -13,6 +13,7 @@ from chaos.procs import events
 from resilient.events import read_events
 
 __all__ = [
+    "_attempt_inits",
     "_attempt_steps",
     "_chaos_records",
     "_epoch",
@@ -32,6 +33,12 @@ def _printed_steps(text: str) -> list[int]:
 def _inits(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     """The rank's `runtime.init` events, one per attempt, across launches, in order."""
     return [e for e in events(run_dir, rank) if e.get("event") == "runtime.init"]
+
+
+def _attempt_inits(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    """The rank's `runtime.init` events that start an attempt: a hot replacement (generation
+    >= 1, `resilient run --hot-recovery`) joins the attempt it replaces a process in."""
+    return [e for e in _inits(run_dir, rank) if int(e.get("generation") or 0) == 0]
 
 
 def _chaos_records(run_dir: Path) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chaos.scenario import PREEMPTIONS, Fault, Scenario
+from chaos.scenario import PREEMPTIONS, Fault, Scenario, expected_recovery
 
 __all__ = ["_WATCHDOG", "Planned", "plan", "time_bound_s"]
 
@@ -57,14 +57,22 @@ class Planned:
     launch: int
     restart: int
     attempt: int
+    expect: str = "cold"
+    """The recovery that must follow (chaos.scenario.expected_recovery)."""
+
+    @property
+    def restarts(self) -> bool:
+        """Ends the attempt: a cold restart of the group (or, for a preemption, a relaunch)."""
+        return self.expect == "cold"
 
 
 def plan(sc: Scenario) -> list[Planned]:
     out, launch, restart, attempt = [], 0, 0, 0
     for f in sorted(sc.faults, key=lambda f: f.at_step):
-        out.append(Planned(f, launch, restart, attempt))
+        p = Planned(f, launch, restart, attempt, expected_recovery(f, sc.hot))
+        out.append(p)
         if f.kind in PREEMPTIONS:
             launch, restart, attempt = launch + 1, 0, attempt + 1
-        elif f.restarts:
+        elif p.restarts:
             restart, attempt = restart + 1, attempt + 1
     return out

@@ -24,12 +24,12 @@ from typing import Any
 
 from chaos.check import _check
 from chaos.external import Injected, _inject
-from chaos.launch import _CHAOS_ENV, _Env, _launch_cmd, golden
+from chaos.launch import _CHAOS_ENV, _HOT_ENV, _Env, _launch_cmd, golden, hot_recovery_unavailable
 from chaos.netns import Hosts, netns_unavailable
 from chaos.observe import _inits
 from chaos.plan import plan
 from chaos.procs import Run, alive, descendants
-from chaos.scenario import IN_PROCESS, PREEMPTIONS, Scenario
+from chaos.scenario import IN_PROCESS, LOST_PROCESS, PREEMPTIONS, Scenario
 from chaos.storage import LoopbackS3, SmallDisk, small_disk_unavailable
 from chaos.twohosts import _two_hosts
 from resilient.exitcodes import ExitCode
@@ -49,6 +49,11 @@ class Result:
     faults: list[dict[str, Any]] = field(default_factory=list)
     run_dir: str = ""
     skipped: str | None = None
+    hot: bool = False
+    """Ran in hot mode (the soak's summary counts hot and cold runs apart)."""
+    recipe: str = ""
+    storage: str = ""
+    save_every: int = 0
 
 
 def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
@@ -57,8 +62,18 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
     why = small_disk_unavailable() if needs_disk else None
     if sc.hosts == 2:
         why = netns_unavailable()
+    hot_recovery = False
+    if sc.hot and not why:
+        no_hot = hot_recovery_unavailable()
+        hot_recovery = no_hot is None
+        lost = sorted({f.kind for f in sc.faults} & LOST_PROCESS)
+        if lost and no_hot:
+            why = f"hot mode with {lost}: {no_hot}"
     if why:
-        return Result(sc.name, ok=True, wall_s=0.0, golden_wall_s=0.0, skipped=why)
+        return Result(
+            sc.name, ok=True, wall_s=0.0, golden_wall_s=0.0, skipped=why, hot=sc.hot,
+            recipe=sc.recipe, storage=sc.storage, save_every=sc.save_every,
+        )  # fmt: skip
     gold = golden(sc, out_root / "golden")
     out = out_root / sc.name
     shutil.rmtree(out, ignore_errors=True)
@@ -73,6 +88,8 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
     with contextlib.ExitStack() as stack:
         env = _Env(sc, out, str(out / "ckpt"))
         proc_env = dict(_CHAOS_ENV)
+        if sc.hot:
+            proc_env.update(_HOT_ENV)
         if sc.storage == "s3":
             env.s3 = stack.enter_context(LoopbackS3())
             env.ckpt_url = env.s3.url()
@@ -90,7 +107,9 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
         for launch in range(launches):
             here = [p for p in planned if p.launch == launch]
             in_process = [p for p in here if p.fault.kind in IN_PROCESS]
-            cmd = _launch_cmd(sc, out, env.ckpt_url, sc.max_restarts, in_process)
+            cmd = _launch_cmd(
+                sc, out, env.ckpt_url, sc.max_restarts, in_process, hot_recovery=hot_recovery
+            )
             log = out / "stdout.log"
             with Run(cmd, log_path=log, env=proc_env, append=True) as run:
                 try:
@@ -126,6 +145,10 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
         failures=failures,
         faults=[asdict(i) for i in injected],
         run_dir=str(out),
+        hot=sc.hot,
+        recipe=sc.recipe,
+        storage=sc.storage,
+        save_every=sc.save_every,
     )
     (out / "result.json").write_text(json.dumps(asdict(result), indent=1))
     if result.ok and not keep:
@@ -138,7 +161,7 @@ def describe(result: Result) -> str:
         return f"SKIP {result.scenario}: {result.skipped}"
     status = "PASS" if result.ok else "FAIL"
     lines = [
-        f"{status} {result.scenario}: {result.wall_s:.1f} s "
+        f"{status} {result.scenario}{' (hot)' if result.hot else ''}: {result.wall_s:.1f} s "
         f"(fault-free {result.golden_wall_s:.1f} s)"
     ]
     lines += [f"    {k}: {v}" for k, v in result.checks.items()]

@@ -26,7 +26,16 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["FAULT_KINDS", "Fault", "Scenario", "generate"]
+__all__ = [
+    "FAULT_KINDS",
+    "HOT_KINDS",
+    "HOT_ONLY",
+    "LOST_PROCESS",
+    "Fault",
+    "Scenario",
+    "expected_recovery",
+    "generate",
+]
 
 FAULT_KINDS = {
     "kill": "SIGKILL one worker",
@@ -45,8 +54,16 @@ FAULT_KINDS = {
     "disk_full": "fill the checkpoint disk (a tmpfs) until a save fails, then free it",
     "node_loss": "kill -9 every process of the second host (a network namespace of its own) "
     "in a two-host run; the first host goes on alone",
+    "raise_twice": "the same RuntimeError twice at the same (rank, step, phase): in hot mode "
+    "the first is rolled back in place, the second must go cold",
+    "oom_exit": "one worker exits with the OOM exit code (os._exit) at (step, phase): a lost "
+    "process, as the kernel's OOM killer or a CUDA abort would leave it",
+    "kill_during_snapshot": "one worker SIGKILLs itself halfway through its in-memory "
+    "snapshot after step `at_step` (hot mode takes one every step)",
+    "kill_with_buddy": "SIGKILL a worker and its buddy (the next rank) at once: hot recovery "
+    "must fall back to cold",
 }
-IN_PROCESS = {"raise", "oom", "hang"}
+IN_PROCESS = {"raise", "oom", "hang", "raise_twice", "oom_exit", "kill_during_snapshot"}
 """Installed inside the ranks by `python -m chaos.inject`, not sent from outside."""
 PREEMPTIONS = {"sigterm", "sigterm_rank"}
 """End the launch with ExitCode.PREEMPTED; the runner launches the same command again."""
@@ -56,6 +73,31 @@ S3_ONLY = {"storage_errors", "storage_latency"}
 TWO_HOSTS = {"node_loss"}
 """Need `hosts = 2`; a two-host scenario has only these."""
 _PHASES = ("data", "forward", "backward", "optimizer", "step")
+HOT_ONLY = {"raise_twice", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
+"""Kinds of hot mode that the cold draw leaves out, so a seed's cold schedules stay as
+they were before hot mode existed."""
+LOST_PROCESS = {"kill", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
+"""In hot mode these need `resilient run --hot-recovery` (a warm replacement); without it
+a hot scenario that has one is skipped, with the reason."""
+HOT_KINDS = {"raise", "oom", "raise_twice"} | LOST_PROCESS
+"""The faults a hot-mode scenario may have (issue 10, item 5)."""
+_IN_STEP = ("forward", "backward")
+"""Where rt.micro_batches can catch an in-process fault (the guard's in-place agreement)."""
+
+
+def expected_recovery(f: Fault, hot: bool) -> str:
+    """What must follow fault `f`: "hot" (rolled back in place, or a warm replacement),
+    "retry" (the OOM guard retried the batch in smaller parts), "cold" (a restart of the
+    group) or "none" (a storage fault retried inside the save)."""
+    if f.kind in NO_RESTART:
+        return "none"
+    if not hot or f.kind in ("raise_twice", "kill_with_buddy"):
+        return "cold"
+    if f.kind in ("raise", "oom"):
+        if f.phase not in _IN_STEP:  # outside rt.micro_batches: the rank exits, cold
+            return "cold"
+        return "retry" if f.kind == "oom" else "hot"
+    return "hot" if f.kind in LOST_PROCESS else "cold"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,9 +154,20 @@ class Scenario:
     """The preemption grace period given to `resilient run`."""
     timeout_s: float = 300.0
     """The whole faulty run must end within this."""
+    hot: bool = False
+    """Hot mode: snapshots every step, the DDP recipe steps through rt.micro_batches, and
+    `resilient run --hot-recovery` where it exists. Only HOT_KINDS; each fault's recovery
+    (hot or cold, from the events) must be the one `expected_recovery` names."""
     faults: list[Fault] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.hot and self.recipe != "train_ddp.py":
+            raise ValueError(f"{self.name}: hot mode runs train_ddp.py (FSDP2 goes cold)")
+        if self.hot and {f.kind for f in self.faults} - HOT_KINDS:
+            raise ValueError(
+                f"{self.name}: hot mode takes only {sorted(HOT_KINDS)}, got "
+                f"{sorted({f.kind for f in self.faults} - HOT_KINDS)}"
+            )
         for f in self.faults:
             if f.at_step >= self.steps:
                 raise ValueError(f"{self.name}: fault at step {f.at_step} >= steps {self.steps}")
@@ -143,10 +196,23 @@ class Scenario:
 
     def golden_key(self) -> str:
         """Runs with equal keys must end with equal bits."""
-        return (
+        key = (
             f"{self.recipe}-n{self.nproc * self.hosts}-s{self.steps}-e{self.save_every}"
             f"-w{self.workers}-seed{self.seed}-c{self.corpus_chars}"
         ).replace(".py", "")
+        if self.hot:  # micro-batches, and the split each OOM retry leaves behind
+            key += "-micro" + "".join(f"-{s}x{k}" for s, k in self.splits())
+        return key
+
+    def splits(self) -> list[tuple[int, int]]:
+        """(step, split): an OOM retried in place doubles the split from its step on; the
+        fault-free run must use the same splits to end with the same bits."""
+        out, split = [], 1
+        for f in sorted(self.faults, key=lambda f: f.at_step):
+            if self.hot and expected_recovery(f, True) == "retry":
+                split *= 2
+                out.append((f.at_step, split))
+        return out
 
     @classmethod
     def load(cls, path: str | Path) -> Scenario:
@@ -186,40 +252,78 @@ def _toml_value(v: Any) -> str:
 
 
 def generate(
-    seed: int, count: int, *, steps: int = 24, save_every: int = 4, max_faults: int = 2
+    seed: int,
+    count: int,
+    *,
+    steps: int = 24,
+    save_every: int = 4,
+    max_faults: int = 2,
+    hot_fraction: float = 0.0,
+    hot_lost: bool = False,
 ) -> list[Scenario]:
-    """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly."""
+    """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly.
+
+    A `hot_fraction` of them, drawn from a generator of their own (so the cold schedules of
+    a seed stay what they were), run in hot mode with HOT_KINDS; the lost-process kinds only
+    with `hot_lost` (where `resilient run --hot-recovery` exists)."""
     rng = random.Random(seed)
+    hot_rng = random.Random(f"hot-{seed}")
     out = []
     for i in range(count):
-        storage = "s3" if rng.random() < 0.25 else "local"
-        kinds = sorted(
-            k for k in FAULT_KINDS if (storage == "s3" or k not in S3_ONLY) and k not in TWO_HOSTS
-        )
-        if storage == "s3":
-            kinds.remove("disk_full")
-        n = rng.randint(1, max_faults)
-        # a save between faults, and one before the end, so every fault meets a save
-        at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
-        storage_kinds = sorted(S3_ONLY) if storage == "s3" else []
-        faults = [
-            Fault(
-                # on S3, half the faults are the storage's own
-                kind=rng.choice(storage_kinds if storage_kinds and rng.random() < 0.5 else kinds),
-                rank=rng.randint(0, 1),
-                at_step=s,
-                phase=rng.choice(_PHASES),
-            )
-            for s in at
-        ]
-        out.append(
-            Scenario(
-                name=f"soak-{seed}-{i:04d}",
-                steps=steps,
-                save_every=save_every,
-                recipe=rng.choice(["train_ddp.py", "train_fsdp.py"]),
-                storage=storage,
-                faults=faults,
-            )
-        )
+        cold = _draw_cold(rng, seed, i, steps, save_every, max_faults)
+        if hot_rng.random() < hot_fraction:
+            out.append(_draw_hot(hot_rng, cold.name, steps, save_every, max_faults, hot_lost))
+        else:
+            out.append(cold)
     return out
+
+
+def _draw_hot(
+    rng: random.Random, name: str, steps: int, save_every: int, max_faults: int, lost: bool
+) -> Scenario:
+    kinds = sorted(HOT_KINDS if lost else HOT_KINDS - LOST_PROCESS)
+    n = rng.randint(1, max_faults)
+    at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
+    faults = [
+        Fault(kind=rng.choice(kinds), rank=rng.randint(0, 1), at_step=s, phase=rng.choice(_IN_STEP))
+        for s in at
+    ]
+    storage = "s3" if rng.random() < 0.25 else "local"
+    return Scenario(
+        name=name, steps=steps, save_every=save_every, storage=storage, hot=True, faults=faults
+    )
+
+
+def _draw_cold(
+    rng: random.Random, seed: int, i: int, steps: int, save_every: int, max_faults: int
+) -> Scenario:
+    storage = "s3" if rng.random() < 0.25 else "local"
+    kinds = sorted(
+        k
+        for k in FAULT_KINDS
+        if (storage == "s3" or k not in S3_ONLY) and k not in TWO_HOSTS and k not in HOT_ONLY
+    )
+    if storage == "s3":
+        kinds.remove("disk_full")
+    n = rng.randint(1, max_faults)
+    # a save between faults, and one before the end, so every fault meets a save
+    at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
+    storage_kinds = sorted(S3_ONLY) if storage == "s3" else []
+    faults = [
+        Fault(
+            # on S3, half the faults are the storage's own
+            kind=rng.choice(storage_kinds if storage_kinds and rng.random() < 0.5 else kinds),
+            rank=rng.randint(0, 1),
+            at_step=s,
+            phase=rng.choice(_PHASES),
+        )
+        for s in at
+    ]
+    return Scenario(
+        name=f"soak-{seed}-{i:04d}",
+        steps=steps,
+        save_every=save_every,
+        recipe=rng.choice(["train_ddp.py", "train_fsdp.py"]),
+        storage=storage,
+        faults=faults,
+    )

@@ -45,6 +45,27 @@ def summarize(results: list[dict[str, Any]]) -> str:
     lines = [
         f"{len(results)} scenarios: {len(passed)} passed, {len(ran) - len(passed)} failed, "
         f"{len(results) - len(ran)} skipped.",
+    ]
+    for mode, hot in (("cold", False), ("hot", True)):
+        runs = [r for r in results if bool(r.get("hot")) == hot]
+        ok = sum(1 for r in runs if r["ok"] and not r.get("skipped"))
+        skip = sum(1 for r in runs if r.get("skipped"))
+        lines.append(
+            f"{mode.capitalize()} mode: {len(runs)} runs, {ok} passed, "
+            f"{len(runs) - ok - skip} failed, {skip} skipped."
+        )
+    recoveries: collections.Counter[str] = collections.Counter()
+    for r in ran:  # check (g): "raise: hot (expected hot), oom: retry (expected retry)"
+        for item in r.get("checks", {}).get("g_recovery", "").split(", "):
+            if ": " in item:
+                recoveries[item.split(": ", 1)[1].split(" (")[0]] += 1
+    if recoveries:
+        lines.append(
+            "Recoveries seen in hot runs: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(recoveries.items()))
+            + "."
+        )
+    lines += [
         "",
         "| fault kind | faults | in failed runs | steps lost: median | max | over one interval |",
         "|---|---|---|---|---|---|",
@@ -52,29 +73,39 @@ def summarize(results: list[dict[str, Any]]) -> str:
     per_kind: dict[str, list[tuple[int | None, bool, int]]] = collections.defaultdict(list)
     for r in ran:
         sc = scenarios.get(r["scenario"])
-        interval = sc.save_every if sc else 0
+        interval = r.get("save_every") or (sc.save_every if sc else 0)
+        mode = "hot" if r.get("hot") else ""
         for fault, lost in zip(r.get("faults", []), _lost(r), strict=False):
-            per_kind[fault["kind"]].append((lost, r["ok"], interval))
+            key = f"{fault['kind']}` ({mode})" if mode else f"{fault['kind']}`"
+            per_kind[key].append((lost, r["ok"], interval))
     for kind in sorted(per_kind):
         rows = per_kind[kind]
         losses = [lost for lost, _, _ in rows if lost is not None]
         over = sum(1 for lost, _, iv in rows if lost is not None and lost > iv)
         lines.append(
-            f"| `{kind}` | {len(rows)} | {sum(1 for _, ok, _ in rows if not ok)} | "
+            f"| `{kind} | {len(rows)} | {sum(1 for _, ok, _ in rows if not ok)} | "
             f"{statistics.median(losses) if losses else '-'} | {max(losses, default='-')} | "
             f"{over} |"
         )
     if ran:
-        ratio = [r["wall_s"] / r["golden_wall_s"] for r in ran if r.get("golden_wall_s")]
-        lines += [
-            "",
-            f"Wall time of a faulty run over its fault-free run: median "
-            f"{statistics.median(ratio):.2f}, max {max(ratio):.2f}.",
-        ]
+        lines.append("")
+        for mode, hot in (("cold", False), ("hot", True)):
+            ratio = [
+                r["wall_s"] / r["golden_wall_s"]
+                for r in ran
+                if r.get("golden_wall_s") and bool(r.get("hot")) == hot
+            ]
+            if ratio:
+                lines.append(
+                    f"Wall time of a faulty run over its fault-free run ({mode}): median "
+                    f"{statistics.median(ratio):.2f}, max {max(ratio):.2f}."
+                )
         recipes = collections.Counter(
-            (scenarios[r["scenario"]].recipe, scenarios[r["scenario"]].storage)
+            (r["recipe"], r["storage"])
+            if r.get("recipe")
+            else (scenarios[r["scenario"]].recipe, scenarios[r["scenario"]].storage)
             for r in ran
-            if r["scenario"] in scenarios
+            if r.get("recipe") or r["scenario"] in scenarios
         )
         if recipes:
             lines.append(

@@ -8,7 +8,7 @@ all the integration there is.
 """
 
 import torch
-from common.cli import build_loader, device_for, parse_args, write_digest
+from common.cli import build_loader, device_for, parse_args, split_at, write_digest
 from common.data import CharTokenizer
 from common.model import GPT, GPTConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -38,8 +38,15 @@ def main() -> None:
     batches = rt.batches()  # resilient: resumable, epoch-aware iterator over the loader
     for step in rt.steps(total=args.steps, stop_at=args.stop_at):  # resilient: resumes, saves
         _, x, y = next(batches)
-        _, loss = model(x.to(device), y.to(device))
-        loss.backward()
+        if args.micro_batches:  # resilient: an OOM or an exception here is recovered in place
+            split = split_at(args.splits, step)
+            for mb in rt.micro_batches(x.to(device), y.to(device), model=model, split=split):
+                with mb:
+                    _, loss = model(*mb.inputs)
+                    mb.backward(loss)
+        else:
+            _, loss = model(x.to(device), y.to(device))
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

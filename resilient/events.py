@@ -27,11 +27,19 @@ __all__ = [
     "CKPT_SAVE_START",
     "DETECTION",
     "HANG_DETECTED",
+    "OOM_RETRY",
     "PREEMPT_EXIT",
     "PREEMPT_STOP",
+    "RECOVERY_COLD",
+    "RECOVERY_HOT_DETECT",
+    "RECOVERY_HOT_FORMED",
+    "RECOVERY_HOT_REPLACE",
     "RESUME_DIVERGED",
     "RESUME_UNVERIFIED",
     "RESUME_VERIFIED",
+    "ROLLBACK_AGREED",
+    "ROLLBACK_DONE",
+    "ROLLBACK_REFUSED",
     "RUNTIME_DIGEST",
     "RUNTIME_DONE",
     "RUNTIME_INIT",
@@ -79,6 +87,15 @@ WORKER_FAILED = "worker.failed"
 PREEMPT_STOP = "preempt.stop"
 PREEMPT_EXIT = "preempt.exit"
 CHAOS_FAULT = "chaos.fault"
+# recoveries without a restart (resilient report tells them from cold restarts)
+ROLLBACK_AGREED = "rollback.agreed"
+ROLLBACK_REFUSED = "rollback.refused"
+ROLLBACK_DONE = "rollback.done"
+OOM_RETRY = "oom.retry"
+RECOVERY_HOT_DETECT = "recovery.hot.detect"
+RECOVERY_HOT_REPLACE = "recovery.hot.replace"
+RECOVERY_HOT_FORMED = "recovery.hot.formed"
+RECOVERY_COLD = "recovery.cold"
 DETECTION = (
     HANG_DETECTED,
     "fault.detected",

@@ -270,3 +270,80 @@ def test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path: Path) -> None:
     assert fault.kind == "sigterm" and fault.steps_lost == 0
     assert fault.detect_s == pytest.approx(0.2) and fault.restart_s == pytest.approx(6.0)
     assert rep.productive_s == pytest.approx(10.0)  # steps 0-9, each once
+
+
+def _hot_run(tmp_path: Path) -> Path:
+    """Attempt 0: steps 0-5, a raise at t=7.2 rolled back in place to step 4 (agreed 7.3, done
+    7.5), steps 4-9 again from 7.6, an OOM retried in place at t=14.1 (step 10), steps 10-11;
+    a kill at t=16.5 and a cold restart (attempt 1) resuming at step 8 at t=19, steps 8-13;
+    then a kill replaced hot at t=26.2 (detected 26.4, formed 27.0, 1 step lost), steps
+    13-15 from 27.1."""
+    w0 = _progress(0, 0, 5, 1.0, 1.0)
+    w1 = _progress(0, 4, 9, 7.6, 1.0)
+    w2 = _progress(0, 10, 11, 13.6, 1.0)
+    w3 = _progress(1, 8, 13, 19.0, 1.0)
+    w4 = _progress(1, 13, 15, 27.1, 1.0)
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "step": 0, "t": 1.0},
+        w0,
+        {"event": "rollback.agreed", "rank": 0, "restart": 0, "step": 6, "to_step": 4, "t": 7.3},
+        {"event": "rollback.done", "rank": 0, "restart": 0, "to_step": 4, "t": 7.5},
+        w1,
+        {"event": "oom.retry", "rank": 0, "restart": 0, "step": 10, "split_to": 2, "t": 14.2},
+        w2,
+        {"event": "runtime.init", "rank": 0, "restart": 1, "t": 18.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 1, "step": 8, "t": 19.0},
+        w3,
+        {"event": "recovery.hot.detect", "rank": 0, "restart": 1, "t": 26.4},
+        {"event": "recovery.hot.formed", "rank": 0, "restart": 1, "steps_lost": 1, "t": 27.0},
+        w4,
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    _write(
+        tmp_path,
+        "chaos.jsonl",
+        [
+            {"event": "chaos.fault", "kind": "raise", "target_rank": 1, "t": 7.2},
+            {"event": "chaos.fault", "kind": "oom", "target_rank": 0, "t": 14.1},
+            {"event": "chaos.fault", "kind": "kill", "target_rank": 1, "t": 16.5},
+            {"event": "chaos.fault", "kind": "kill", "target_rank": 0, "t": 26.2},
+        ],
+    )
+    return tmp_path
+
+
+def test_hot_and_cold_recoveries_each_with_their_own_fault(tmp_path: Path):
+    from resilient.report import COLD, HOT_REPLACEMENT, HOT_ROLLBACK, RETRY
+
+    rep = analyze(_hot_run(tmp_path))
+    got = [(f.kind, f.recovery, f.attempt, f.steps_lost) for f in rep.faults]
+    assert got == [
+        ("raise", HOT_ROLLBACK, 0, 2),  # steps 4 and 5 ran again
+        ("oom", RETRY, 0, 0),
+        ("kill", COLD, 0, 4),  # steps 8-11 ran again
+        ("kill", HOT_REPLACEMENT, 1, 1),
+    ]
+    raise_, oom, kill, hot_kill = rep.faults
+
+    def near(x: float | None, want: float) -> bool:
+        return x == pytest.approx(want, abs=1e-3)  # ISO timestamps keep microseconds
+
+    assert near(raise_.detect_s, 0.1)  # the agreement named it
+    assert near(raise_.restart_s, 0.3)  # restored at rollback.done
+    assert near(raise_.recover_s, 1.4)  # the first step after it ends at 8.6
+    assert near(oom.detect_s, 0.1) and near(oom.recover_s, 0.5)  # step 10 ends at 14.6
+    assert near(kill.detect_s, 1.5) and near(kill.restart_s, 2.5)
+    assert near(hot_kill.detect_s, 0.2) and near(hot_kill.recover_s, 1.9)
+    text = format_report(rep)
+    assert "hot rollback" in text and "hot replacement" in text and "cold restart" in text
+    assert "1 cold restart, 1 hot replacement, 1 hot rollback, 1 oom retry" in text
+
+
+def test_steps_replayed_after_a_rollback_in_place_are_not_counted_twice(tmp_path: Path):
+    rep = analyze(_hot_run(tmp_path))
+    # survive: 0-3 (w0), 4-7 (w1; 8-9 replayed by attempt 1), 8-12 (w3; 13 replayed hot),
+    # 13-15 (w4): 16 steps of 1 s; replayed: 4-5, 8-11 and 13, 7 s
+    assert rep.productive_s == pytest.approx(16.0)
+    assert rep.replayed_s == pytest.approx(7.0)
+    assert rep.final_step == 16

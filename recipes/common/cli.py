@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from .data import build_dataset
 
-__all__ = ["build_loader", "device_for", "parse_args", "write_digest"]
+__all__ = ["build_loader", "device_for", "parse_args", "split_at", "write_digest"]
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -42,7 +42,29 @@ def parse_args(description: str) -> argparse.Namespace:
     p.add_argument("--sync-save", action="store_true", help="synchronous saves (default async)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--corpus-chars", type=int, default=300_000)
+    p.add_argument(
+        "--micro-batches",
+        action="store_true",
+        help="step through rt.micro_batches (DDP: an OOM retries the batch in smaller parts "
+        "in place; with snapshots on, an exception rolls every rank back in place)",
+    )
+    p.add_argument(
+        "--splits",
+        default="",
+        help="with --micro-batches: least micro-batches per step, 'STEP:SPLIT,...', each from "
+        "its step on (the split an OOM retry leaves behind, for a reference run)",
+    )
     return p.parse_args()
+
+
+def split_at(splits: str, step: int) -> int | None:
+    """The least split `--splits` asks for at `step` (None: no minimum)."""
+    split = None
+    for item in filter(None, splits.split(",")):
+        first, k = (int(v) for v in item.split(":"))
+        if first <= step:
+            split = max(split or 1, k)
+    return split
 
 
 def build_loader(args: argparse.Namespace, rank: int, world_size: int) -> StatefulDataLoader:

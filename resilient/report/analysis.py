@@ -43,7 +43,17 @@ from typing import Any
 
 from resilient import events as ev
 
-__all__ = ["FaultReport", "RunReport", "analyze", "load_events", "young_daly"]
+__all__ = [
+    "COLD",
+    "HOT_REPLACEMENT",
+    "HOT_ROLLBACK",
+    "RETRY",
+    "FaultReport",
+    "RunReport",
+    "analyze",
+    "load_events",
+    "young_daly",
+]
 
 _NEAR_S = 10.0
 """Clean windows of the same attempt within this many seconds are a save window's reference."""
@@ -111,10 +121,20 @@ def _number_attempts_across_launches(events: list[dict[str, Any]]) -> None:
             e["restart"] = offset[launch] + int(e["restart"])
 
 
+HOT_ROLLBACK = "hot rollback"
+"""Every rank rolled back in place to an in-memory snapshot; no process lost."""
+HOT_REPLACEMENT = "hot replacement"
+"""A lost process was replaced warm; the survivors re-formed their groups."""
+RETRY = "oom retry"
+"""The OOM guard retried the batch in smaller micro-batches, in place."""
+COLD = "cold restart"
+"""The group was restarted: fresh processes, the newest checkpoint."""
+
+
 @dataclass(slots=True)
 class FaultReport:
     attempt: int
-    """The attempt (restart count) that the fault ended."""
+    """The attempt (restart count) the fault came in; a cold restart ended it."""
     kind: str
     fault_t: float
     exact_time: bool
@@ -125,8 +145,10 @@ class FaultReport:
     recover_s: float | None
     """Fault to the first completed step of the new attempt."""
     steps_lost: int | None
-    """Steps completed before the fault that the new attempt had to replay (a lower bound
-    when the failed attempt's last progress event was lost with it)."""
+    """Steps completed before the fault that had to be run again (a lower bound when the
+    failed attempt's last progress event was lost with it)."""
+    recovery: str = COLD
+    """COLD, HOT_ROLLBACK, HOT_REPLACEMENT or RETRY."""
 
 
 @dataclass(slots=True)
@@ -231,7 +253,7 @@ def _windows(progress: list[dict[str, Any]]) -> list[_Window]:
             )
             for w in progress
         ),
-        key=lambda w: (w.attempt, w.first),
+        key=lambda w: (w.attempt, w.t0),
     )
     for w, nxt in itertools.zip_longest(ws, ws[1:]):
         if nxt is not None and nxt.attempt == w.attempt and nxt.first == w.last + 1:
@@ -259,10 +281,12 @@ def analyze(
     end = max(e["t"] for e in events)
     windows = _windows(progress)
 
-    # A step survives when no later attempt resumed at or before it: the cut of an attempt is
-    # the lowest resume step of all later attempts (one that died before resuming has none).
-    def cut(attempt: int) -> float:
-        later = [int(r["step"]) for a, r in resumes.items() if a > attempt]
+    # A step survives when nothing later ran it again: no later attempt resumed at or before
+    # it (one that died before resuming has no resume), and no later window of steps started
+    # at or before it (a rollback in place, or a hot re-formation, replays within the attempt).
+    def cut(w: _Window) -> float:
+        later = [int(r["step"]) for a, r in resumes.items() if a > w.attempt]
+        later += [o.first for o in windows if o.t0 > w.t0]
         return min(later, default=math.inf)
 
     # saves, as intervals of rank 0's time: start to commit (a save cut short: its start)
@@ -293,7 +317,7 @@ def analyze(
     busy_kept = replayed = extra_busy = extra_busy_kept = extra_gap = 0.0
     hit: set[int] = set()
     for w in windows:
-        kept = max(0, min(w.last, cut(w.attempt) - 1) - w.first + 1)
+        kept = max(0, min(w.last, cut(w) - 1) - w.first + 1)
         busy_kept += w.busy * kept / w.n
         replayed += w.busy * (w.n - kept) / w.n
         over = overlaps(w)
@@ -325,44 +349,7 @@ def analyze(
         save_cost, basis = save_cost_s, "given"
     chaos = [e for e in events if e.get("event") == "chaos.fault"]
 
-    faults = []
-    for a in attempts[:-1]:
-        nxt_init = next((e for e in inits if int(e["restart"]) == a + 1), None)
-        if nxt_init is None:
-            continue
-        in_attempt = [e for e in events if int(e.get("restart", -1)) == a]
-        t_end = max((e["t"] for e in in_attempt), default=nxt_init["t"])
-        attempt_start = next((e["t"] for e in inits if int(e["restart"]) == a), start)
-        injected = [c for c in chaos if attempt_start <= c["t"] <= nxt_init["t"]]
-        fault_t = injected[0]["t"] if injected else t_end
-        kind = str(injected[0].get("kind", "?")) if injected else "unknown"
-        detected = [
-            e["t"]
-            for e in events
-            if e.get("event") in _DETECTION and fault_t - 0.001 <= e["t"] <= nxt_init["t"]
-        ]
-        detect_t = min(detected) if detected else nxt_init["t"]
-        resumed = resumes.get(a + 1)
-        first_step = next((w for w in progress if int(w.get("restart", 0)) == a + 1), None)
-        done_before = max(
-            (int(w["last"]) + 1 for w in progress if int(w.get("restart", 0)) == a), default=None
-        )
-        lost = None
-        if done_before is not None and resumed is not None:
-            lost = max(0, done_before - int(resumed["step"]))
-        faults.append(
-            FaultReport(
-                attempt=a,
-                kind=kind,
-                fault_t=fault_t,
-                exact_time=bool(injected),
-                detect_s=detect_t - fault_t,
-                restart_s=resumed["t"] - fault_t if resumed else None,
-                recover_s=(float(first_step["t1_first"]) - fault_t) if first_step else None,
-                steps_lost=lost,
-            )
-        )
-
+    faults = _recoveries(events, rank0, inits, resumes, progress, attempts, chaos, start)
     wall = end - start
     # one-time start-up: to the first step, or to the first fault if one came before it (the
     # rest is that fault's restart)
@@ -410,3 +397,133 @@ def analyze(
             one_time = report.startup_s + report.end_s
             report.optimal_run_goodput = productive / (productive / best + one_time)
     return report
+
+
+_HOT_DONE = {
+    ev.ROLLBACK_DONE: HOT_ROLLBACK,
+    ev.RECOVERY_HOT_FORMED: HOT_REPLACEMENT,
+    ev.OOM_RETRY: RETRY,
+}
+_DETECT = set(_DETECTION) | {
+    ev.ROLLBACK_AGREED,
+    ev.ROLLBACK_REFUSED,
+    ev.RECOVERY_HOT_DETECT,
+    ev.RECOVERY_COLD,
+    ev.OOM_RETRY,
+}
+
+
+def _recoveries(
+    events: list[dict[str, Any]],
+    rank0: list[dict[str, Any]],
+    inits: list[dict[str, Any]],
+    resumes: dict[int, dict[str, Any]],
+    progress: list[dict[str, Any]],
+    attempts: list[int],
+    chaos: list[dict[str, Any]],
+    start: float,
+) -> list[FaultReport]:
+    """Every recovery of the run in time order: cold restarts (a new attempt) and hot ones
+    (rank 0's rollback.done, recovery.hot.formed or oom.retry), each labelled by its own
+    fault: the first chaos.fault since the recovery before it (without one, the fault time
+    is estimated from the logs)."""
+    marks: list[tuple[float, str, int, dict[str, Any] | None]] = []  # (t, kind, attempt, event)
+    for a in attempts[:-1]:
+        nxt = next((e for e in inits if int(e["restart"]) == a + 1), None)
+        if nxt is not None:
+            marks.append((nxt["t"], COLD, a, None))
+    for e in rank0:
+        kind = _HOT_DONE.get(str(e.get("event")))
+        if kind is not None:
+            marks.append((e["t"], kind, int(e.get("restart", 0)), e))
+    marks.sort(key=lambda m: m[0])
+    out: list[FaultReport] = []
+    prev_t = start
+    used: set[int] = set()
+    for t, kind, a, done in marks:
+        mine = [i for i, c in enumerate(chaos) if i not in used and prev_t - 0.001 <= c["t"] <= t]
+        if mine:
+            used.add(mine[0])
+        if kind == COLD:
+            in_attempt = [e["t"] for e in events if int(e.get("restart", -1)) == a and e["t"] <= t]
+            est = max(in_attempt, default=t)
+        else:  # the agreement that named it, or the retry itself
+            est = next(
+                (e["t"] for e in rank0 if prev_t <= e["t"] <= t and e.get("event") in _DETECT),
+                t,
+            )
+        fault_t = chaos[mine[0]]["t"] if mine else est
+        detected = [
+            e["t"] for e in events if e.get("event") in _DETECT and fault_t - 0.001 <= e["t"] <= t
+        ]
+        if kind == COLD:
+            resumed = resumes.get(a + 1)
+            restored_t = resumed["t"] if resumed else None
+            after = [w for w in progress if int(w.get("restart", 0)) == a + 1]
+            done_before = max(
+                (
+                    int(w["last"]) + 1
+                    for w in progress
+                    if int(w.get("restart", 0)) == a and w["t"] <= t
+                ),
+                default=None,
+            )
+            lost = (
+                max(0, done_before - int(resumed["step"]))
+                if done_before is not None and resumed is not None
+                else None
+            )
+            detect_t = min(detected) if detected else t
+        else:
+            restored_t = t
+            # the window a retry happened in goes on; a rollback starts a new one
+            after = [w for w in progress if int(w.get("restart", 0)) == a and w["t"] >= t]
+            lost = _hot_lost(done, rank0, t, a)
+            detect_t = min(detected) if detected else t
+        # the first step completed after the recovery: a window's first step, or (in place,
+        # where the window a retry came in goes on) rank 0's step.fingerprint, one per step
+        ends = [float(w["t1_first"]) for w in after]
+        if kind != COLD:
+            ends += [
+                e["t"]
+                for e in rank0
+                if e.get("event") == ev.STEP_FINGERPRINT and int(e.get("restart", 0)) == a
+            ]
+        first_step = min((x for x in ends if x >= t), default=None)
+        out.append(
+            FaultReport(
+                attempt=a,
+                kind=str(chaos[mine[0]].get("kind", "?")) if mine else "unknown",
+                fault_t=fault_t,
+                exact_time=bool(mine),
+                detect_s=detect_t - fault_t,
+                restart_s=(restored_t - fault_t) if restored_t is not None else None,
+                recover_s=(first_step - fault_t) if first_step is not None else None,
+                steps_lost=lost,
+                recovery=kind,
+            )
+        )
+        prev_t = t
+    return out
+
+
+def _hot_lost(
+    done: dict[str, Any] | None, rank0: list[dict[str, Any]], t: float, attempt: int
+) -> int | None:
+    """Steps a hot recovery ran again: those completed before it, from the step it went back
+    to (recovery.hot.formed says so itself; an OOM retry loses none)."""
+    if done is None or done.get("event") == ev.OOM_RETRY:
+        return 0
+    if done.get("steps_lost") is not None:
+        return int(done["steps_lost"])
+    to = done.get("to_step")
+    ran = [
+        int(w["last"]) + 1
+        for w in rank0
+        if w.get("event") == ev.TRAIN_PROGRESS
+        and int(w.get("restart", 0)) == attempt
+        and w["t"] <= t
+    ]
+    if to is None or not ran:
+        return None
+    return max(0, max(ran) - int(to))

@@ -36,14 +36,22 @@ def format_report(rep: RunReport) -> str:
                 f"{d.get('differed')} differ from the earlier attempt's; {d.get('causes')}"
             )
     if rep.faults:
-        lines += ["", "fault  kind              detect    restart    recover  steps lost"]
+        lines += [
+            "",
+            "fault  kind              recovery           detect   restored    recover  steps lost",
+        ]
         for i, f in enumerate(rep.faults):
             lost = "-" if f.steps_lost is None else str(f.steps_lost)
             note = "" if f.exact_time else "  (fault time estimated from the logs)"
             lines.append(
-                f"{i:>5}  {f.kind:<16} {s(f.detect_s):>8} {s(f.restart_s):>10} "
+                f"{i:>5}  {f.kind:<16}  {f.recovery:<16} {s(f.detect_s):>8} {s(f.restart_s):>10} "
                 f"{s(f.recover_s):>10}  {lost:>10}{note}"
             )
+        kinds = sorted({f.recovery for f in rep.faults})
+        lines.append(
+            "recoveries           "
+            + ", ".join(f"{sum(f.recovery == k for f in rep.faults)} {k}" for k in kinds)
+        )
     if rep.optimal_goodput is not None:
         ratio = rep.goodput_over_optimum
         run_opt = rep.optimal_run_goodput

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 
+from resilient import events as ev
 from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, ENV_HOT, int_env
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
@@ -103,6 +104,8 @@ class _Carry:
     store: Any
     detected_at: float
     reason: str
+    step: int
+    """The step whose body was running when the loss was seen."""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -139,7 +142,7 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
     snaps = rt.snapshots
     held = snaps.held_buffers()
     log.warning(
-        "recovery.hot.detect",
+        ev.RECOVERY_HOT_DETECT,
         step=rt.watchdog.progress.step,
         error=f"{type(exc).__name__}: {str(exc)[:300]}",
         held=sorted(held),
@@ -157,6 +160,7 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
         store=store,
         detected_at=t0,
         reason=str(exc)[:300],
+        step=rt.watchdog.progress.step,
         timings={"teardown_s": time.monotonic() - t0},
     )
     raise HotRestart(gen, str(exc)[:200])
@@ -165,7 +169,7 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
 def _cold(rt: Runtime, reason: str) -> NoReturn:
     from resilient.runtime.watchdog import exit_now
 
-    get_logger().error("recovery.cold", reason=reason, rank=rt.rank)
+    get_logger().error(ev.RECOVERY_COLD, reason=reason, rank=rt.rank)
     exit_now(ExitCode.PEER_LOST, kind="peer_lost", reason=f"hot recovery refused: {reason}")
 
 
@@ -185,7 +189,7 @@ def await_generation() -> int:
             pass  # the store may be briefly unreachable; keep trying until the deadline
         time.sleep(0.005)
     get_logger().error(
-        "recovery.cold",
+        ev.RECOVERY_COLD,
         reason=f"the launcher published no generation {_carry.generation} in {WAIT_S:g} s",
     )
     os._exit(int(ExitCode.PEER_LOST))
@@ -202,10 +206,10 @@ def resume(rt: Runtime) -> int | None:
     carry, _carry = _carry, None
     store = rt.ctx.base_store
     if carry is not None:
-        mine = {"steps": carry.steps, "survivor": True}
+        mine = {"steps": carry.steps, "survivor": True, "at": carry.step}
     else:  # the replacement: the steps its lost predecessor left a replica of
         replica = _get_replica(store, rt.rank) if store is not None else {}
-        mine = {"steps": sorted(replica), "survivor": False}
+        mine = {"steps": sorted(replica), "survivor": False, "at": None}
     every: list[Any] = [None] * rt.world_size
     dist.all_gather_object(every, mine, group=rt.ctx.control_group)
     common = set(every[0]["steps"])
@@ -216,7 +220,7 @@ def resume(rt: Runtime) -> int | None:
     if target is None:
         if rt.rank == 0:
             log.error(
-                "recovery.cold",
+                ev.RECOVERY_COLD,
                 reason="no snapshot step every rank can restore",
                 held={str(r): m["steps"] for r, m in enumerate(every)},
             )
@@ -241,6 +245,7 @@ def resume(rt: Runtime) -> int | None:
         carry.buffers.clear()
     fields: dict[str, Any] = {
         "to_step": target,
+        "steps_lost": max(int(every[r]["at"]) for r in survivors) - target,
         "generation": generation(),
         "survivor": carry is not None,
         "from_rank": src,
@@ -250,7 +255,7 @@ def resume(rt: Runtime) -> int | None:
     if carry is not None:
         fields.update({k: round(v, 4) for k, v in carry.timings.items()})
         fields["since_detect_s"] = round(time.monotonic() - carry.detected_at, 4)
-    log.warning("recovery.hot.formed", **fields)
+    log.warning(ev.RECOVERY_HOT_FORMED, **fields)
     if rt.rank == 0 and store is not None:
         store.set(f"{store_prefix()}/gen_{generation()}/formed", "1")
     return target

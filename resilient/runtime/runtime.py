@@ -251,6 +251,7 @@ class Runtime(Loops):
         self.log.info(
             ev.RUNTIME_INIT,
             world_size=self.ctx.world_size,
+            generation=hot.generation(),
             backend=self.ctx.backend,
             host=self.ctx.host,
             local_rank=self.ctx.local_rank,

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 
+from resilient import events as ev
 from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
@@ -204,7 +205,7 @@ class SupervisedAgent(ElasticAgentBase):
         rank = worker_group.workers[lr].global_rank
         if reason is not None:
             self._hooks.on_event(
-                "recovery.cold", reason=reason, rank=rank, local_rank=lr, exit_code=code
+                ev.RECOVERY_COLD, reason=reason, rank=rank, local_rank=lr, exit_code=code
             )
             return False
         gen = self._hot_gen + 1
@@ -212,7 +213,7 @@ class SupervisedAgent(ElasticAgentBase):
             pid, warm = self.replace_worker(lr, {ENV_GENERATION: str(gen)}, self._spare)
         except Exception as e:
             self._hooks.on_event(
-                "recovery.cold",
+                ev.RECOVERY_COLD,
                 reason=f"the replacement did not start: {e}",
                 rank=rank,
                 local_rank=lr,
@@ -224,7 +225,7 @@ class SupervisedAgent(ElasticAgentBase):
         store.set(f"{prefix}/gen", str(gen))
         self._hot_gen = gen
         self._hooks.on_event(
-            "recovery.hot.replace",
+            ev.RECOVERY_HOT_REPLACE,
             rank=rank,
             local_rank=lr,
             exit_code=code,
