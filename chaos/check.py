@@ -61,7 +61,9 @@ def _check(
     stdout = out / "stdout.log"
     steps = _attempt_steps(stdout.read_text(errors="replace") if stdout.exists() else "")
     rank0 = list(events(run_dir, 0))  # read once: every check below looks at rank 0's log
-    resumes = [int(e["step"]) for e in rank0 if e.get("event") == "runtime.resume"]
+    resumes = [  # one per attempt: a hot recovery's resume continues its attempt
+        int(e["step"]) for e in rank0 if e.get("event") == "runtime.resume" and not e.get("hot")
+    ]
     attempts = len(_inits(run_dir, 0))
     expected_attempts = 1 + sum(1 for p in planned if p.restarts)
     if len(injected) == len(planned) and attempts != expected_attempts:

@@ -21,8 +21,8 @@ from typing import Any
 import fsspec
 
 from chaos.launch import _Env
-from chaos.observe import _attempt_inits as _inits
 from chaos.observe import _chaos_records, _epoch, _printed_steps, _since_attempt
+from chaos.observe import _inits as _all_inits
 from chaos.plan import Planned, plan
 from chaos.procs import Run, latest_event, wait_for
 from chaos.scenario import IN_PROCESS
@@ -90,14 +90,26 @@ def _damage(kind: str, fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> str:
     return _name(data)
 
 
+def _init_of(run_dir: Path, rank: int, p: Planned) -> dict[str, Any] | None:
+    """`rank`'s runtime.init of the planned attempt and hot-recovery generation, if logged."""
+    attempt = -1
+    for e in _all_inits(run_dir, rank):
+        gen = int(e.get("generation") or 0)
+        attempt += gen == 0
+        if attempt == p.attempt and gen == p.generation:
+            return e
+    return None
+
+
 def _inject(p: Planned, env: _Env, run: Run) -> Injected:
     fault, sc, run_dir = p.fault, env.sc, env.run_dir
     wait_for(
-        lambda: min(len(_inits(run_dir, 0)), len(_inits(run_dir, fault.rank))) > p.attempt,
+        lambda: _init_of(run_dir, 0, p) is not None and _init_of(run_dir, fault.rank, p),
         timeout=sc.timeout_s,
-        what=f"attempt {p.attempt}",
+        what=f"attempt {p.attempt}, generation {p.generation}",
     )
-    victim = _inits(run_dir, fault.rank)[p.attempt]
+    victim = _init_of(run_dir, fault.rank, p)
+    assert victim is not None
     pid = int(victim["pid"])
     base: dict[str, Any] = {
         "kind": fault.kind,
@@ -188,7 +200,10 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         os.kill(run.proc.pid, signal.SIGTERM)
     elif fault.kind == "kill_with_buddy":  # both copies of a snapshot go at once
         buddy = (fault.rank + 1) % (sc.nproc * sc.hosts)
-        info["buddy_pid"] = int(_inits(run_dir, buddy)[p.attempt]["pid"])
+        buddy_init = wait_for(
+            lambda: _init_of(run_dir, buddy, p), timeout=sc.timeout_s, what=f"rank {buddy}"
+        )
+        info["buddy_pid"] = int(buddy_init["pid"])
         os.kill(pid, signal.SIGKILL)
         os.kill(info["buddy_pid"], signal.SIGKILL)
     else:

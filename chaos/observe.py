@@ -48,15 +48,26 @@ def _chaos_records(run_dir: Path) -> list[dict[str, Any]]:
 _ATTEMPT_MARK = "runtime.resume"
 
 
+def _attempt_parts(text: str) -> list[str]:
+    """stdout cut at rank 0's resume lines that start an attempt (a hot recovery's resume,
+    `hot=True`, continues its attempt); what comes before the first one is dropped."""
+    parts: list[list[str]] = []
+    for line in text.splitlines(keepends=True):
+        if _ATTEMPT_MARK in line and "hot=True" not in line:
+            parts.append([])
+        if parts:
+            parts[-1].append(line)
+    return ["".join(p) for p in parts]
+
+
 def _since_attempt(text: str, attempt: int) -> str:
     """stdout from the given attempt on (attempts are separated by rank 0's resume line)."""
-    parts = text.split(_ATTEMPT_MARK)
-    return _ATTEMPT_MARK.join(parts[attempt + 1 :]) if len(parts) > attempt + 1 else ""
+    return "".join(_attempt_parts(text)[attempt:])
 
 
 def _attempt_steps(text: str) -> list[list[int]]:
     """The steps rank 0 printed, per attempt."""
-    return [_printed_steps(part) for part in text.split(_ATTEMPT_MARK)[1:]]
+    return [_printed_steps(part) for part in _attempt_parts(text)]
 
 
 def _epoch(iso: str) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chaos.scenario import PREEMPTIONS, Fault, Scenario, expected_recovery
+from chaos.scenario import LOST_PROCESS, PREEMPTIONS, Fault, Scenario, expected_recovery
 
 __all__ = ["_WATCHDOG", "Planned", "plan", "time_bound_s"]
 
@@ -59,6 +59,9 @@ class Planned:
     attempt: int
     expect: str = "cold"
     """The recovery that must follow (chaos.scenario.expected_recovery)."""
+    generation: int = 0
+    """The hot-recovery generation within the attempt (RESILIENT_GENERATION): one more
+    after each lost process recovered hot, 0 again after a cold restart."""
 
     @property
     def restarts(self) -> bool:
@@ -67,12 +70,14 @@ class Planned:
 
 
 def plan(sc: Scenario) -> list[Planned]:
-    out, launch, restart, attempt = [], 0, 0, 0
+    out, launch, restart, attempt, gen = [], 0, 0, 0, 0
     for f in sorted(sc.faults, key=lambda f: f.at_step):
-        p = Planned(f, launch, restart, attempt, expected_recovery(f, sc.hot))
+        p = Planned(f, launch, restart, attempt, expected_recovery(f, sc.hot), gen)
         out.append(p)
         if f.kind in PREEMPTIONS:
-            launch, restart, attempt = launch + 1, 0, attempt + 1
+            launch, restart, attempt, gen = launch + 1, 0, attempt + 1, 0
         elif p.restarts:
-            restart, attempt = restart + 1, attempt + 1
+            restart, attempt, gen = restart + 1, attempt + 1, 0
+        elif p.expect == "hot" and f.kind in LOST_PROCESS:
+            gen += 1
     return out
