@@ -22,8 +22,16 @@ process lost) and off (today's cold path: every rank exits, the supervisor resta
 group, which resumes from the last checkpoint). Each is timed from the fault to the first
 step every rank completes afterwards. Snapshot overhead: fault-free launches without the
 sleep between steps, snapshots off and on (the default, adaptive interval) alternated, the
-median time per step of each; the ratio on/off, median over the pairs. This is not the
-issue's kill -9 hot path (survivors re-forming their groups), which does not exist yet.
+median time per step of each; the ratio on/off, median over the pairs.
+
+Hot path for a lost process, in the same run, on the same model: one more launch under
+`resilient run --hot-recovery` (snapshots at the default, adaptive interval), kill -9 of rank
+1 mid-run; timed from the kill to the first step every rank completes after the new
+generation formed, split into detection (-> the survivor's recovery.hot.detect), the agent's
+replacement (-> recovery.hot.replace, a warm spare), re-formation and state transfer (->
+recovery.hot.formed on every rank: the survivor re-ran its script, the replacement joined)
+and the first step. `hot_over_cold` and `hot_over_floor` compare it with the cold kill -9
+cycles and the one-process floor above.
 
 The last line of output is one JSON object with the figures and ratios.
 """
@@ -220,6 +228,56 @@ def _exception_recovery(base: Path, width: int, hot: bool, fault_step: int) -> d
     return out
 
 
+def _hot_kill(base: Path, width: int, kill_at: int = 20) -> dict[str, Any]:
+    """kill -9 of rank 1 under --hot-recovery at step `kill_at`; kill to the first step after."""
+    cmd = _cmd(base, width, 10.0, "--steps", str(kill_at + 15), "--save-every=5", "--sync")
+    cmd[4:4] = ["--hot-recovery", "--monitor-interval=0.05"]
+    cmd += ["--sleep=0.05", "--micro"]
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir, rec = base / "run", base / "rec"
+    env = {**_env(), "RESILIENT_SNAPSHOT": json.dumps({"enabled": True})}
+    with (base / "launcher.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            _wait(
+                lambda: any(r.get("step", -1) >= kill_at for r in _records(rec)), 180, "steps", proc
+            )
+            pid = max(
+                (e for e in _events(run_dir, "runtime.init") if e["rank"] == 1),
+                key=lambda e: e["_t"],
+            )["pid"]
+            t_kill = time.time()
+            os.kill(int(pid), signal.SIGKILL)
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if code != 0:
+        raise SystemExit(f"the hot launch exited {code}; see {base / 'launcher.log'}")
+    detect = [e for e in _events(run_dir, "recovery.hot.detect") if e["_t"] >= t_kill - 0.01]
+    replace = _events(run_dir, "recovery.hot.replace")
+    formed = _events(run_dir, "recovery.hot.formed")
+    if not detect or not replace or len(formed) < 2:
+        raise SystemExit(f"no hot recovery after the kill; see {base / 'launcher.log'}")
+    t_formed = max(e["_t"] for e in formed)
+    recs = [r for r in _records(rec) if "t" in r and r["t"] > t_formed]
+    t_step = max(min(r["t"] for r in recs if r["rank"] == rank) for rank in (0, 1))
+    survivor = next(e for e in formed if e.get("survivor"))
+    return {
+        "total_s": round(t_step - t_kill, 3),
+        "detection_s": round(min(e["_t"] for e in detect) - t_kill, 3),
+        "replace_s": round(replace[0]["_t"] - t_kill, 3),
+        "reform_transfer_s": round(t_formed - min(e["_t"] for e in detect), 3),
+        "transfer_s": max(float(e["transfer_s"]) for e in formed),
+        "first_step_s": round(t_step - t_formed, 3),
+        "warm_spare": bool(replace[0].get("warm_spare")),
+        "resumed_at": int(survivor["to_step"]),
+        "steps_lost": int(survivor["steps_lost"]),
+        "processes_replaced": len({e["pid"] for e in _events(run_dir, "runtime.init")}) - 2,
+    }
+
+
 def _per_step(rec: Path) -> float:
     """Median seconds between rank 0's completed steps, the first 5 left out (warm-up)."""
     ts = sorted(r["t"] for r in _records(rec) if r.get("rank") == 0 and "t" in r)[5:]
@@ -381,6 +439,10 @@ def main() -> None:
     # hot path: in-place rollback of an exception, against its cold path, same model
     hot_ex = _exception_recovery(base / "exception-hot", width, True, 12)
     cold_ex = _exception_recovery(base / "exception-cold", width, False, 12)
+    hot_kills = [_hot_kill(base / f"kill-hot-{i}", width) for i in range(kills)]
+    hot = statistics.median(c["total_s"] for c in hot_kills)
+    for i, c in enumerate(hot_kills):
+        print(f"kill -9 #{i + 1}, hot: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     overhead = _snapshot_overhead(base, width, 30 if args.quick else 60, 1 if args.quick else 2)
     print(f"exception, in-place rollback: {hot_ex}")
     print(f"exception, cold restart: {cold_ex}")
@@ -395,6 +457,10 @@ def main() -> None:
     print(
         f"kill -9 to first step: median {total:.3f} s = {total / floor1:.2f} x the 1-process "
         f"floor, {total / floor2:.2f} x the 2-process floor (target <= 1.3)"
+    )
+    print(
+        f"kill -9 to first step, hot: median {hot:.3f} s = {hot / total:.3f} x cold "
+        f"(target <= 0.25), {hot / floor1:.3f} x the 1-process floor (target <= 0.5)"
     )
     if agree:
         print(
@@ -417,12 +483,15 @@ def main() -> None:
         "sigterm": sigterm,
         "agree_us": round(statistics.mean(agree), 1) if agree else None,
         "step_ms": round(1e3 * statistics.median(steps), 2) if steps else None,
-        "hot_path": "in-place rollback of a Python exception (no process lost); not kill -9",
+        "kill9_hot": hot_kills,
+        "kill9_hot_total_s": hot,
+        "hot_over_cold": round(hot / total, 3),
+        "hot_over_floor": round(hot / floor1, 3),
+        "hot_steps_lost": max(c["steps_lost"] for c in hot_kills),
         "exception_hot": hot_ex,
         "exception_cold": cold_ex,
-        "hot_over_cold": round(hot_ex["total_s"] / cold_ex["total_s"], 3),
-        "hot_over_floor": round(hot_ex["total_s"] / floor1, 3),
-        "hot_steps_lost": hot_ex["steps_lost"],
+        "exception_hot_over_cold": round(hot_ex["total_s"] / cold_ex["total_s"], 3),
+        "exception_hot_over_floor": round(hot_ex["total_s"] / floor1, 3),
         "snapshot_overhead": overhead["snapshot_overhead"],
         "snapshot_overhead_adaptive": overhead["snapshot_overhead_adaptive"],
         "snapshot_overhead_runs": overhead,
