@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from resilient import events as ev
@@ -195,6 +196,59 @@ def await_generation() -> int:
     os._exit(int(ExitCode.PEER_LOST))
 
 
+# ---------------------------------------------------------------- state, point to point
+class _Slot:
+    """Where a tensor goes in the structure sent ahead of the tensors themselves."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _send_state(sd: dict[str, Any], dst: int, group: Any) -> None:
+    """Send a state dict of CPU tensors to `dst`: its structure (tensors replaced by slots)
+    as one object, then each tensor as it is, with no pickling of the bytes (pickling 100 MB
+    of state took 0.6 s; raw sends run at the link's speed)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj.detach().contiguous())
+            return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(strip(v) for v in obj)
+        return obj
+
+    dist.send_object_list([strip(sd)], dst=dst, group=group)
+    for t in tensors:
+        if t.numel():  # the receiver knows an empty tensor's shape already
+            dist.send(t, dst=dst, group=group)
+
+
+def _recv_state(src: int, group: Any) -> dict[str, Any]:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    slots: list[tuple[_Slot, torch.Tensor]] = []
+
+    def fill(obj: Any) -> Any:
+        if isinstance(obj, _Slot):
+            t = torch.empty(obj.shape, dtype=obj.dtype)
+            slots.append((obj, t))
+            return t
+        if isinstance(obj, dict):
+            return {k: fill(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(fill(v) for v in obj)
+        return obj
+
+    sd = fill(box[0])
+    for _, t in sorted(slots, key=lambda st: st[0].index):
+        if t.numel():
+            dist.recv(t, src=src, group=group)
+    return dict(sd)
+
+
 # ---------------------------------------------------------------- every rank of the new generation
 def resume(rt: Runtime) -> int | None:
     """In Runtime.resume() of generation g >= 1 (hot on): restore the newest snapshot step every
@@ -232,11 +286,9 @@ def resume(rt: Runtime) -> int | None:
             shared = {k: v for k, v in sd.items() if not k.startswith("rank")}
             for r, m in enumerate(every):
                 if not m["survivor"]:
-                    dist.send_object_list([shared], dst=r, group=rt.ctx.control_group)
+                    _send_state(shared, r, rt.ctx.control_group)
     else:
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=src, group=rt.ctx.control_group)
-        sd = dict(box[0])
+        sd = _recv_state(src, rt.ctx.control_group)
         sd[f"rank{rt.rank}"] = replica[target]
     transfer_s = time.monotonic() - t0
     rt.state.apply(sd, rank=rt.rank)
