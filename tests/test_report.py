@@ -347,3 +347,56 @@ def test_steps_replayed_after_a_rollback_in_place_are_not_counted_twice(tmp_path
     assert rep.productive_s == pytest.approx(16.0)
     assert rep.replayed_s == pytest.approx(7.0)
     assert rep.final_step == 16
+
+
+def test_a_hot_replacement_of_rank_0_is_not_a_new_attempt(tmp_path: Path):
+    """Rank 0 killed and replaced hot: the replacement's runtime.init has a new pid with
+    restart 0 (generation 1), which must not read as a relaunch. A later cold restart's
+    restore time runs to its own resume, not to a hot resume later in that attempt."""
+    from resilient.report import COLD, HOT_REPLACEMENT
+
+    def init(pid: int, restart: int, gen: int, t: float) -> dict:
+        return {"event": "runtime.init", "rank": 0, "restart": restart, "pid": pid,
+                "generation": gen, "t": t}  # fmt: skip
+
+    def resume(pid: int, restart: int, step: int, t: float, **kw: object) -> dict:
+        return {"event": "runtime.resume", "rank": 0, "restart": restart, "pid": pid,
+                "step": step, "t": t, **kw}  # fmt: skip
+
+    def formed(pid: int, restart: int, t: float) -> dict:
+        return {"event": "recovery.hot.formed", "rank": 0, "restart": restart, "pid": pid,
+                "steps_lost": 1, "t": t}  # fmt: skip
+
+    ev = [
+        init(100, 0, 0, 0.0),
+        resume(100, 0, 0, 1.0),
+        {**_progress(0, 0, 5, 1.0, 1.0), "pid": 100},
+        init(300, 0, 1, 7.5),  # the spare in rank 0's place
+        formed(300, 0, 7.8),
+        resume(300, 0, 5, 7.8, hot=True),
+        {**_progress(0, 5, 9, 7.9, 1.0), "pid": 300},
+        init(400, 1, 0, 15.0),  # cold restart after the kill at 13.0
+        resume(400, 1, 8, 16.0),
+        {**_progress(1, 8, 9, 16.0, 1.0), "pid": 400},
+        init(400, 1, 1, 19.2),  # rank 1 replaced: rank 0 survives and runs the script again
+        formed(400, 1, 19.5),
+        resume(400, 1, 9, 19.5, hot=True),
+        {**_progress(1, 9, 11, 19.6, 1.0), "pid": 400},
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    _write(
+        tmp_path,
+        "chaos.jsonl",
+        [
+            {"event": "chaos.fault", "kind": "kill", "target_rank": 0, "t": 7.2},
+            {"event": "chaos.fault", "kind": "kill", "target_rank": 1, "t": 13.0},
+            {"event": "chaos.fault", "kind": "kill", "target_rank": 1, "t": 19.0},
+        ],
+    )
+    rep = analyze(tmp_path)
+    assert rep.attempts == 2 and rep.final_step == 12
+    got = [(f.kind, f.recovery, f.attempt) for f in rep.faults]
+    assert got == [("kill", HOT_REPLACEMENT, 0), ("kill", COLD, 0), ("kill", HOT_REPLACEMENT, 1)]
+    assert rep.faults[0].restart_s == pytest.approx(0.6, abs=1e-3)
+    assert rep.faults[1].restart_s == pytest.approx(3.0, abs=1e-3)  # to the cold resume at 16
+    assert rep.faults[1].steps_lost == 2  # steps 8 and 9 ran again

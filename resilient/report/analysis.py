@@ -92,6 +92,10 @@ def _number_attempts_across_launches(events: list[dict[str, Any]]) -> None:
             if key in rank_launch:
                 continue
             n = launches_of_rank.get(e["rank"], -1)
+            if int(e.get("generation") or 0) > 0 and n >= 0:
+                # a hot replacement: a new process in the same attempt, not a relaunch
+                rank_launch[key] = n
+                continue
             if int(e.get("restart", 0)) == 0 or n < 0:
                 n += 1
             launches_of_rank[e["rank"]] = n
@@ -275,7 +279,11 @@ def analyze(
     rank0 = [e for e in events if e.get("rank") == 0]
     progress = [e for e in rank0 if e.get("event") == "train.progress"]
     inits = [e for e in rank0 if e.get("event") == "runtime.init"]
-    resumes = {int(e["restart"]): e for e in rank0 if e.get("event") == "runtime.resume"}
+    # each attempt's own resume; a hot recovery later in the attempt resumes again
+    resumes: dict[int, dict[str, Any]] = {}
+    for e in rank0:
+        if e.get("event") == "runtime.resume" and not e.get("hot"):
+            resumes.setdefault(int(e["restart"]), e)
     attempts = sorted({int(e.get("restart", 0)) for e in inits}) or [0]
     start = min(e["t"] for e in events)
     end = max(e["t"] for e in events)
