@@ -2,6 +2,7 @@
 
     python scripts/bench_goodput.py            # MTBF 45 s, 3 runs of about 4 minutes each
     python scripts/bench_goodput.py --quick    # MTBF 20 s, 1 run of about a minute
+    python scripts/bench_goodput.py --hot      # the same under resilient run --hot-recovery
 
 The recipe recipes/train_ddp.py (a small GPT, DDP on 2 ranks, async saves) runs under the
 product's own launcher, `resilient run`: what a user launches with, so its restart path
@@ -22,6 +23,11 @@ raised so that two faults close together cannot stop the run; its backoff stays 
    Then `resilient.report.analyze(run_dir, mtbf_s=M)`: the measured goodput against the
    optimum computed from that run's own C and R, with the run's one-time start-up and end
    added to the optimum (see resilient/report/analysis.py).
+
+With `--hot` the launcher runs with `--hot-recovery` and the recipe steps through
+`rt.micro_batches`: a killed rank is replaced by a warm spare while the other stays alive and
+both continue from the newest in-memory snapshot, so the restart cost R that the optimum is
+computed with is the hot one (fault to the resumed generation).
 
 Each run is also compared with the optimum for the faults it actually had (MTBF = wall time
 / faults): over a run of a few minutes the number of faults is Poisson with a mean of a few,
@@ -67,15 +73,21 @@ def _record(run_dir: Path, **fields: Any) -> None:
         f.write(json.dumps({"event": "chaos.fault", "ts": ts, **fields}) + "\n")
 
 
-def _cmd(out: Path, steps: int, save_every: int, seed: int) -> list[str]:
+def _cmd(out: Path, steps: int, save_every: int, seed: int, hot: bool) -> list[str]:
     run_dir = out / "run"
+    # hot: a lost rank is replaced by a warm spare while the survivor stays alive; the survivor
+    # notices the loss in rt.micro_batches' collectives, so the recipe steps through them
+    hot_launch = ["--hot-recovery", "--hot-max=1000"] if hot else []
+    hot_recipe = ["--micro-batches"] if hot else []
     return [
         sys.executable, "-m", "resilient.cli", "run",
         "--nproc-per-node=2",
         "--max-restarts=1000",
         "--crash-loop-restarts=1000",
         f"--run-dir={run_dir}",
+        *hot_launch,
         str(RECIPE),
+        *hot_recipe,
         "--steps", str(steps),
         "--save-every", str(save_every),
         "--log-every", "1000000",
@@ -87,23 +99,28 @@ def _cmd(out: Path, steps: int, save_every: int, seed: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _victim(run_dir: Path, rank: int, after_attempt: int) -> tuple[int, int] | None:
-    """(attempt, PID) of `rank` in the newest attempt, if that attempt is newer than
-    `after_attempt`, has resumed (is training) and the process is up."""
-    inits = [
-        e
-        for e in events(run_dir, rank)
-        if e.get("event") == "runtime.init" and e.get("rank") == rank
-    ]
+Epoch = tuple[int, int]
+"""(attempt, hot-recovery generation): a cold restart starts a new attempt at generation 0, a
+hot recovery a new generation of the same attempt."""
+
+
+def _victim(run_dir: Path, rank: int, after: Epoch) -> tuple[Epoch, int] | None:
+    """(epoch, PID) of `rank` in the newest attempt and generation, if that is newer than
+    `after`, has resumed (is training) and the process is up."""
+    evs = list(events(run_dir, rank))
+    inits = [e for e in evs if e.get("event") == "runtime.init" and e.get("rank") == rank]
     if not inits:
         return None
-    newest = max(inits, key=lambda e: int(e.get("restart", 0)))
-    attempt, pid = int(newest.get("restart", 0)), int(newest["pid"])
+    newest = max(inits, key=lambda e: (int(e.get("restart", 0)), int(e.get("generation") or 0)))
+    epoch = (int(newest.get("restart", 0)), int(newest.get("generation") or 0))
+    pid = int(newest["pid"])
     resumed = any(
-        e.get("event") == "runtime.resume" and int(e.get("restart", 0)) == attempt
-        for e in events(run_dir, rank)
+        e.get("event") == "runtime.resume"
+        and int(e.get("pid", -1)) == pid
+        and e["ts"] >= newest["ts"]
+        for e in evs
     )
-    return (attempt, pid) if attempt > after_attempt and resumed and alive(pid) else None
+    return (epoch, pid) if epoch > after and resumed and alive(pid) else None
 
 
 def _kill(run_dir: Path, rank: int, pid: int) -> None:
@@ -128,6 +145,7 @@ def _launch(
     rng: random.Random,
     timeout_s: float,
     kill_after_step: int | None = None,
+    hot: bool = False,
 ) -> tuple[int, list[float]]:
     """Run to the end under faults; returns the exit code and the fault times (s from launch).
 
@@ -142,9 +160,10 @@ def _launch(
     (run_dir / "logs").mkdir(parents=True)
     env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     done: list[float] = []
-    killed_attempt = -1
+    killed: Epoch = (-1, -1)
     next_at = rng.expovariate(1 / mtbf) if mtbf else math.inf
-    with Run(_cmd(out, steps, save_every, seed), log_path=out / "launcher.log", env=env) as run:
+    cmd = _cmd(out, steps, save_every, seed, hot)
+    with Run(cmd, log_path=out / "launcher.log", env=env) as run:
         while run.proc.poll() is None:
             if run.elapsed > timeout_s:
                 run.kill()
@@ -155,9 +174,9 @@ def _launch(
                 due = run.elapsed >= next_at
             if due:
                 rank = rng.randrange(2)
-                victim = _victim(run_dir, rank, killed_attempt)
+                victim = _victim(run_dir, rank, killed)
                 if victim is not None:
-                    killed_attempt, pid = victim
+                    killed, pid = victim
                     _kill(run_dir, rank, pid)
                     done.append(run.elapsed)
                     if mtbf:
@@ -173,6 +192,41 @@ _PHASES = (
     ("start", "runtime.init"),
     ("build_load", "runtime.resume"),
 )
+
+
+_HOT_PHASES = (
+    ("detect", "recovery.hot.detect"),
+    ("replace", "recovery.hot.replace"),
+    ("formed", "recovery.hot.formed"),
+)
+
+
+def _hot_breakdown(run_dir: Path) -> list[dict[str, float]]:
+    """Per fault of a hot run: seconds from the fault to the survivor noticing the loss, the
+    agent starting the replacement (the two race: the agent sees the exit, the survivor a
+    closed connection), the new generation formed with its state restored, and the end of its
+    first step. Each is counted from the fault; a fault that went cold has no `formed`."""
+    evs = load_events(run_dir)
+    faults = [e["t"] for e in evs if e.get("event") == "chaos.fault"]
+    out = []
+    for i, tf in enumerate(faults):
+        t_next = faults[i + 1] if i + 1 < len(faults) else math.inf
+        row: dict[str, float] = {}
+        for name, event in _HOT_PHASES:
+            hit = [e["t"] for e in evs if e.get("event") == event and tf <= e["t"] < t_next]
+            if hit:
+                row[name] = min(hit) - tf
+        if "formed" in row:
+            t_formed = tf + row["formed"]
+            steps = [
+                float(e["t1_first"])
+                for e in evs
+                if e.get("event") == "train.progress" and t_formed <= e["t"] < t_next
+            ]
+            if steps:
+                row["first_step"] = min(steps) - tf
+        out.append(row)
+    return out
 
 
 def _breakdown(run_dir: Path) -> list[dict[str, float]]:
@@ -264,6 +318,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench-output" / "goodput"))
     ap.add_argument("--calib-steps", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep run directories and checkpoints")
+    ap.add_argument(
+        "--hot",
+        action="store_true",
+        help="resilient run --hot-recovery: a killed rank is replaced while the other lives",
+    )
     args = ap.parse_args()
     mtbf = args.mtbf or (20.0 if args.quick else 45.0)
     duration = args.duration or (60.0 if args.quick else 240.0)
@@ -271,7 +330,10 @@ def main() -> None:
     calib_steps = args.calib_steps or (300 if args.quick else 600)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"bench_goodput: MTBF {mtbf:g} s, {duration:g} s per run, {reps} run(s), in {out}")
+    mode = "hot recovery" if args.hot else "cold restarts"
+    print(
+        f"bench_goodput ({mode}): MTBF {mtbf:g} s, {duration:g} s per run, {reps} run(s), in {out}"
+    )
     print(f"load at start: {_uptime()}", flush=True)
 
     # 1. calibration: saves every 50 steps (about 2 s), one kill -9 after 2/3 of the steps
@@ -286,6 +348,7 @@ def main() -> None:
         rng=random.Random(args.seed),
         timeout_s=600,
         kill_after_step=calib_steps * 2 // 3,
+        hot=args.hot,
     )
     if rc != 0:
         raise SystemExit(f"calibration run failed ({rc}); see {cal / 'launcher.log'}")
@@ -315,7 +378,14 @@ def main() -> None:
         run_out = out / f"run{i}"
         t = time.monotonic()
         rc, done = _launch(
-            run_out, steps, save_every, args.seed, mtbf=mtbf, rng=rng, timeout_s=6 * duration
+            run_out,
+            steps,
+            save_every,
+            args.seed,
+            mtbf=mtbf,
+            rng=rng,
+            timeout_s=6 * duration,
+            hot=args.hot,
         )
         if rc != 0:
             raise SystemExit(f"run {i} failed ({rc}); see {run_out / 'launcher.log'}")
@@ -332,7 +402,7 @@ def main() -> None:
             f"{rep.steady_goodput:.3f} vs {res['optimal_goodput']}, ratio {res['steady_ratio']}",
             flush=True,
         )
-        res["breakdown"] = _breakdown(run_out / "run")
+        res["breakdown"] = (_hot_breakdown if args.hot else _breakdown)(run_out / "run")
         res["ratio_if_between_steps_productive"] = _upper(rep, crep.step_overhead_s / step)
         # the same run against the optimum for the faults it actually had (wall / faults)
         real = analyze(run_out / "run", save_cost_s=c)
@@ -375,14 +445,16 @@ def main() -> None:
         )
     }
     rows = [row for x in results for row in x["breakdown"]]
-    phases = [name for name, _ in _PHASES] + ["first_step"]
+    phases = [name for name, _ in (_HOT_PHASES if args.hot else _PHASES)] + ["first_step"]
     recovery = {
         k: round(statistics.median([r[k] for r in rows if k in r]), 3)
         for k in phases
         if any(k in r for r in rows)
     }
-    print("restart, median seconds per phase over all faults: " + json.dumps(recovery))
+    what = "from the fault to each phase's end" if args.hot else "per phase"
+    print(f"recovery, median seconds {what} over all faults: " + json.dumps(recovery))
     summary: dict[str, Any] = {
+        "mode": "hot" if args.hot else "cold",
         "mtbf_s": mtbf,
         "reps": reps,
         "steps": steps,
