@@ -217,16 +217,21 @@ def _hot_breakdown(run_dir: Path) -> list[dict[str, float]]:
             if hit:
                 row[name] = min(hit) - tf
         if "formed" in row:
-            t_formed = tf + row["formed"]
-            steps = [
-                float(e["t1_first"])
-                for e in evs
-                if e.get("event") == "train.progress" and t_formed <= e["t"] < t_next
-            ]
-            if steps:
-                row["first_step"] = min(steps) - tf
+            first = _first_step_end(evs, tf + row["formed"], t_next)
+            if first is not None:
+                row["first_step"] = first - tf
         out.append(row)
     return out
+
+
+def _first_step_end(evs: list[dict], t0: float, t1: float) -> float | None:
+    """The end of the first step body rank 0 reported in [t0, t1), or None."""
+    ends = [
+        float(e["t1_first"])
+        for e in evs
+        if e.get("event") == "train.progress" and t0 <= e["t"] < t1
+    ]
+    return min(ends) if ends else None
 
 
 def _breakdown(run_dir: Path) -> list[dict[str, float]]:
@@ -246,13 +251,9 @@ def _breakdown(run_dir: Path) -> list[dict[str, float]]:
                 break
             row[name], t = min(hit) - t, min(hit)
         else:
-            steps = [
-                float(e["t1_first"])
-                for e in evs
-                if e.get("event") == "train.progress" and t <= e["t"] < t_next
-            ]
-            if steps:
-                row["first_step"] = min(steps) - t
+            first = _first_step_end(evs, t, t_next)
+            if first is not None:
+                row["first_step"] = first - t
         out.append(row)
     return out
 
