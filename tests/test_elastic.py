@@ -104,6 +104,49 @@ def test_same_world_state_round_trip_and_a_save_right_after_a_reshard() -> None:
     assert next(e)[0].tolist() == _expected_order(len(ds))[8:12]
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal nested state (dicts, lists, tensors compared by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("shuffled_by_generator", [False, True])
+def test_state_right_after_a_load_is_the_loaded_state(shuffled_by_generator: bool) -> None:
+    """A snapshot or save taken after a resume but before its first batch (the snapshot at
+    the top of `steps()`) must describe the loaded position, not an epoch's start: a rollback
+    to it once restarted the epoch (chaos soak 2026, run 0176: a hot resume, then an
+    exception in its first step)."""
+    ds = _dataset()
+
+    def make() -> ResumableBatches:
+        if shuffled_by_generator:
+            gen = torch.Generator().manual_seed(SEED)
+            return ResumableBatches(
+                StatefulDataLoader(ds, batch_size=4, shuffle=True, generator=gen)
+            )
+        return _rank_batches(ds, 1, 4)[0]
+
+    b = make()
+    for _ in range(3):
+        next(b)
+    state = b.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    again = resumed.state_dict()  # no batch drawn since the load
+    assert _same(again, state)
+    rolled_back = make()
+    rolled_back.load_state_dict(again)
+    expected = [next(b)[0].tolist() for _ in range(2)]
+    assert [next(rolled_back)[0].tolist() for _ in range(2)] == expected
+    assert [next(resumed)[0].tolist() for _ in range(2)] == expected
+    assert not _same(resumed.state_dict()["loader"], state["loader"])  # it moved on
+
+
 def test_seek_refuses_what_cannot_be_exact() -> None:
     ds = _dataset()
     two = _rank_batches(ds, 2, 4)

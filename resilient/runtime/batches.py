@@ -11,6 +11,7 @@ skipped or seen twice (see resilient/runtime/elastic.py).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ class ResumableBatches:
         """Batches handed out by the current iterator."""
         self._generator_state: torch.Tensor | None = None
         """The loader's generator as saved, to restore once a resumed iterator has begun."""
+        self._pending_loader: dict[str, Any] | None = None
+        """The loader state loaded but not yet resumed (no batch drawn since the load)."""
 
     def _samplers(self) -> list[Any]:
         return [
@@ -72,6 +75,7 @@ class ResumableBatches:
             self._set_epoch()
             with torch.random.fork_rng(devices=[]):
                 self._it = iter(self.loader)
+            self._pending_loader = None  # the iterator now carries it
         try:
             batch = next(self._it)
         except StopIteration:
@@ -100,19 +104,31 @@ class ResumableBatches:
         """Leave the current epoch (whatever is left of it); the next batch starts the next."""
         self.epoch += 1
         self._it = None
+        self._pending_loader = None
         self._start = self._taken = 0
 
     def state_dict(self) -> dict[str, Any]:
         # No iterator yet (start, or just past an epoch's end): the next epoch starts afresh
         # (at `start` after a reshard). The loader's own state would describe the finished
-        # epoch instead.
+        # epoch instead. Loaded but not yet resumed (a snapshot or save right after a
+        # resume, before the first batch): the state as loaded, since the next batch resumes
+        # from it; without this a rollback to that snapshot would restart the epoch.
         gen = self._generator()
+        if self._it is not None:
+            loader = self.loader.state_dict()
+        else:
+            loader = copy.deepcopy(self._pending_loader)
+        generator: torch.Tensor | None
+        if self._generator_state is not None:  # not yet put back into the generator
+            generator = self._generator_state.clone()
+        else:
+            generator = gen.get_state() if gen is not None else None
         return {
             "epoch": self.epoch,
-            "loader": self.loader.state_dict() if self._it is not None else None,
+            "loader": loader,
             "start": self._start,
             "taken": self._taken,
-            "generator": gen.get_state() if gen is not None else None,
+            "generator": generator,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -123,6 +139,7 @@ class ResumableBatches:
         self._generator_state = state.get("generator")
         if state["loader"] is None:
             self._restore_generator()  # no iterator to resume: it applies from here on
+        self._pending_loader = state["loader"]
         if state["loader"] is not None:
             self._set_epoch()
             self.loader.load_state_dict(state["loader"])
@@ -163,6 +180,7 @@ class ResumableBatches:
             raise ValueError(f"{consumed} samples consumed do not split evenly over {world} ranks")
         self.epoch = int(epoch)
         self._it = None
+        self._pending_loader = None
         self._start, self._taken = consumed // world, 0
         self._seek_sampler(self._start)
 
