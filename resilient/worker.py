@@ -12,8 +12,9 @@ paying for python's start and torch's import on the recovery's critical path.
 The script runs as `python SCRIPT ARGS` would run it (`__main__`, sys.argv, sys.path[0]), so
 a script needs no change. When a peer is lost, a surviving rank's Runtime raises HotRestart;
 the wrapper then waits for the agent's next generation and runs the script again: python,
-torch and the script's imports stay loaded, the in-memory snapshots stay in host memory. Any
-other ending (a return, SystemExit, an exception) is the script's own, with its exit code.
+torch and the script's imports stay loaded, the in-memory snapshots stay in host memory. A
+peer's loss that escapes the script as an ordinary exception takes the same path. Any other
+ending (a return, SystemExit, an exception) is the script's own, with its exit code.
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def main(argv: list[str]) -> None:
             return
         except hot.HotRestart:
             pass
+        except Exception as exc:
+            # A peer's loss noticed outside the guard (a user's own collective, a save that
+            # finds the previous async write failed on the lost peer) escaped the script. The
+            # excepthook would see it only after this wrapper returned, too late to run the
+            # script again: hand it to the Runtime's guard here instead.
+            if not hot.divert_escaped(exc):
+                raise
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
         # collect them, so their finalizers run before the next generation starts.
         gc.collect()

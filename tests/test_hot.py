@@ -24,13 +24,15 @@ WATCHDOG = {"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5.0, "timeout_s
 STEPS = 10
 
 
-def _run(out: Path, nproc: int, faults: list[str], *extra: str) -> tuple[int, str]:
+def _run(
+    out: Path, nproc: int, faults: list[str], *extra: str, worker: tuple[str, ...] = ()
+) -> tuple[int, str]:
     argv = [*extra, "--nproc-per-node", str(nproc), "--run-dir", str(out / "run")]
     argv += ["--monitor-interval", "0.05"]
     if faults:  # (an empty `--` would be eaten by the launcher's own parser)
         argv += ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--"]
     argv += [GUARDED_WORKER]
-    argv += ["--mode", "micro", "--steps", str(STEPS), "--workers", "0"]
+    argv += ["--mode", "micro", "--steps", str(STEPS), "--workers", "0", *worker]
     argv += ["--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run")]
     env = {"RESILIENT_WATCHDOG": json.dumps(WATCHDOG)}
     if "--hot-recovery" in extra:  # a snapshot every step: a kill at step 5 loses none
@@ -96,6 +98,32 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
             assert first != second  # the warm spare took its place
         else:
             assert first == second  # the survivors kept their processes
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+    assert not _events(tmp_path, "recovery.cold")
+
+
+def test_a_loss_seen_outside_the_guard_is_recovered_hot_too(
+    golden: dict[int, str], tmp_path: Path
+) -> None:
+    """Rank 1 dies after its optimizer step; rank 0 notices in the loop's own, unguarded
+    all_reduce of the loss, so the error escapes the script. The worker wrapper hands it to
+    the guard (it once reached only the excepthook, after the script had ended: exit 1 and a
+    cold restart; chaos soak 2026, run 0183, met it as a save finding its async write failed)."""
+    code, err = _run(
+        tmp_path,
+        2,
+        ["kill@rank=1,step=5,phase=eval"],
+        "--hot-recovery",
+        worker=("--eval", "--metric"),
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden[2]
+    (detect,) = _events(tmp_path, "recovery.hot.detect")
+    assert detect["rank"] == 0 and detect["step"] == 5, detect
+    formed = _events(tmp_path, "recovery.hot.formed")
+    assert sorted(e["rank"] for e in formed) == [0, 1]
+    assert {e["to_step"] for e in formed} == {5}
+    assert _inits(tmp_path)[0][0] == _inits(tmp_path)[0][1]  # rank 0 kept its process
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
     assert not _events(tmp_path, "recovery.cold")
 

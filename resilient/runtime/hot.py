@@ -167,6 +167,23 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
     raise HotRestart(gen, str(exc)[:200])
 
 
+def divert_escaped(exc: Exception) -> bool:
+    """For the worker wrapper: an exception escaped the script while this process's Runtime
+    is still up. When it is a peer's loss, the guard takes it (a HotRestart, or a cold exit
+    with the reason) and this returns True; anything else is the script's own: False."""
+    from resilient.runtime.runtime import current
+
+    try:
+        rt = current()
+    except RuntimeError:  # no Runtime, or already closed or abandoned
+        return False
+    try:
+        rt.guards.on_uncaught(exc)
+    except HotRestart:
+        return True
+    return False
+
+
 def _cold(rt: Runtime, reason: str) -> NoReturn:
     from resilient.runtime.watchdog import exit_now
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,6 +34,9 @@ def main() -> None:
     )
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     p.add_argument("--eval", action="store_true", help="an (empty) eval phase every step")
+    p.add_argument(
+        "--metric", action="store_true", help="all_reduce the loss after each step, unguarded"
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--save-every", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1234)
@@ -84,6 +88,8 @@ def main() -> None:
         if args.eval:
             with rt.phase("eval"):
                 pass
+        if args.metric:  # a user's own collective outside any guard, as loss logging does
+            dist.all_reduce(loss.detach().clone())
 
     write_digest(rt, model, optimizer)
     rt.close()
