@@ -282,10 +282,39 @@ class SupervisedAgent(ElasticAgentBase):
         while time.monotonic() < deadline and any(peek_exit(pids[lr]) is None for lr in alive):
             time.sleep(0.01)
 
+    def _say_cold(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        """A worker died between this agent's look and torch elastic's own poll, which has
+        already stopped the group (SIGTERM to the rest): the recovery is cold. Say why, as
+        `_hot_replace` would have, and mark the first failures as the roots."""
+        codes = {pf.local_rank: pf.exitcode for pf in result.failures.values()}
+        # torch's own SIGTERMs are not causes, unless nothing else failed
+        roots = {lr: c for lr, c in codes.items() if c != -signal.SIGTERM} or codes
+        if not roots or any(c == ExitCode.PREEMPTED for c in roots.values()):
+            return
+        self._roots = roots
+        (lr, code), *_ = roots.items()
+        reason = f"{len(roots)} workers failed at once" if len(roots) > 1 else None
+        if reason is None and self._hot_gen:
+            try:
+                store = self._hot_workers_store(worker_group)
+                formed = f"resilient/attempt_{self.attempt_id}/hot/gen_{self._hot_gen}/formed"
+                if not store.check([formed]):
+                    reason = f"a failure while generation {self._hot_gen} was still forming"
+            except Exception as e:
+                reason = f"the workers' store is unreachable: {e}"
+        if reason is None:
+            reason = "torch elastic's monitor saw the failure first and stopped the group"
+        rank = worker_group.workers[lr].global_rank
+        self._hooks.on_event(
+            ev.RECOVERY_COLD, reason=reason, rank=rank, local_rank=lr, exit_code=code
+        )
+
     def _after_failure(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
         if self._handled:  # the loop polls a finished group again before restarting it
             return result
         self._handled = True
+        if self._hot_max and not self._roots:
+            self._say_cold(worker_group, result)
         failures = []
         for rank, pf in sorted(result.failures.items()):
             msg = pf.message
