@@ -195,13 +195,7 @@ class SupervisedAgent(ElasticAgentBase):
         elif self._hot_gen >= self._hot_max:
             reason = f"{self._hot_gen} hot recoveries in this attempt (--hot-max)"
         else:
-            try:
-                store = self._hot_workers_store(worker_group)
-                prefix = f"resilient/attempt_{self.attempt_id}/hot"
-                if self._hot_gen and not store.check([f"{prefix}/gen_{self._hot_gen}/formed"]):
-                    reason = f"a failure while generation {self._hot_gen} was still forming"
-            except Exception as e:  # the store is gone: nothing can re-form through it
-                reason = f"the workers' store is unreachable: {e}"
+            reason = self._forming_reason(worker_group)
         rank = worker_group.workers[lr].global_rank
         if reason is not None:
             self._hooks.on_event(
@@ -221,6 +215,7 @@ class SupervisedAgent(ElasticAgentBase):
             )
             return False
         worker_group.workers[lr].id = pid  # torch's monitor checks the group's pids
+        store, prefix = self._hot_workers_store(worker_group), self._hot_prefix()
         store.set(f"{prefix}/gen_{gen}/replaced", str(rank))
         store.set(f"{prefix}/gen", str(gen))
         self._hot_gen = gen
@@ -237,6 +232,22 @@ class SupervisedAgent(ElasticAgentBase):
         if self._spare is not None:
             self._spare.start()  # the next one
         return True
+
+    def _hot_prefix(self) -> str:
+        # runtime/hot.py's store_prefix(): not imported, which would load DCP into the launcher
+        return f"resilient/attempt_{self.attempt_id}/hot"
+
+    def _forming_reason(self, worker_group: WorkerGroup) -> str | None:
+        """Why a failure now must go cold for the store's sake (the current generation is
+        still forming, or the store is unreachable); None when neither."""
+        try:
+            store = self._hot_workers_store(worker_group)
+            formed = f"{self._hot_prefix()}/gen_{self._hot_gen}/formed"
+            if self._hot_gen and not store.check([formed]):
+                return f"a failure while generation {self._hot_gen} was still forming"
+        except Exception as e:  # the store is gone: nothing can re-form through it
+            return f"the workers' store is unreachable: {e}"
+        return None
 
     def _hot_workers_store(self, worker_group: WorkerGroup) -> Any:
         """A client of the store the workers use (MASTER_ADDR:MASTER_PORT of their env)."""
@@ -295,13 +306,7 @@ class SupervisedAgent(ElasticAgentBase):
         (lr, code), *_ = roots.items()
         reason = f"{len(roots)} workers failed at once" if len(roots) > 1 else None
         if reason is None and self._hot_gen:
-            try:
-                store = self._hot_workers_store(worker_group)
-                formed = f"resilient/attempt_{self.attempt_id}/hot/gen_{self._hot_gen}/formed"
-                if not store.check([formed]):
-                    reason = f"a failure while generation {self._hot_gen} was still forming"
-            except Exception as e:
-                reason = f"the workers' store is unreachable: {e}"
+            reason = self._forming_reason(worker_group)
         if reason is None:
             reason = "torch elastic's monitor saw the failure first and stopped the group"
         rank = worker_group.workers[lr].global_rank
