@@ -116,6 +116,12 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 """Signals that mean "save and leave" by default."""
 
 
+def hot_store_prefix(attempt: str) -> str:
+    """The keys of an attempt's hot recoveries in the launcher's store: the agent publishes
+    generations there and the workers (runtime/hot.py) their replicas and `formed` marks."""
+    return f"resilient/attempt_{attempt}/hot"
+
+
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     """ "SIGTERM,USR1" -> (SIGTERM, SIGUSR1); "" or "none" -> (). Raises ConfigError."""
     out: list[signal.Signals] = []

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from resilient import events as ev
-from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, ENV_HOT, int_env
+from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, ENV_HOT, hot_store_prefix, int_env
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
 
@@ -78,8 +78,7 @@ def generation() -> int:
 
 def store_prefix(attempt: str | None = None) -> str:
     """The attempt's hot-recovery keys in the launcher's store (no per-attempt prefix)."""
-    attempt = attempt if attempt is not None else os.environ.get(ENV_ATTEMPT, "0")
-    return f"resilient/attempt_{attempt}/hot"
+    return hot_store_prefix(attempt if attempt is not None else os.environ.get(ENV_ATTEMPT, "0"))
 
 
 class HotRestart(BaseException):

@@ -39,7 +39,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from resilient import events as ev
-from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION
+from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, hot_store_prefix
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
 from resilient.supervisor.spare import Spare
@@ -234,8 +234,7 @@ class SupervisedAgent(ElasticAgentBase):
         return True
 
     def _hot_prefix(self) -> str:
-        # runtime/hot.py's store_prefix(): not imported, which would load DCP into the launcher
-        return f"resilient/attempt_{self.attempt_id}/hot"
+        return hot_store_prefix(self.attempt_id)
 
     def _forming_reason(self, worker_group: WorkerGroup) -> str | None:
         """Why a failure now must go cold for the store's sake (the current generation is
