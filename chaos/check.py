@@ -129,6 +129,7 @@ def _check(
         f"; over one interval allowed: {', '.join(why)}" if why else ""
     )
     if sc.hot:  # g. the recovery each fault had, from the events
+        failures += _missed_catch_ups(rank0)
         seen = _recoveries(run_dir, planned, injected)
         checks["g_recovery"] = ", ".join(
             f"{p.fault.kind}: {got} (expected {p.expect})"
@@ -214,6 +215,27 @@ def _hot_lost(p: Planned, inj: Injected, rank0: list[dict[str, Any]]) -> int | N
         if e.get("event") == "recovery.hot.formed" and e.get("steps_lost") is not None:
             return int(e["steps_lost"])
     return None
+
+
+def _missed_catch_ups(rank0: list[dict[str, Any]]) -> list[str]:
+    """A hot recovery that lost a durable save in flight must save its resumed step before the
+    first batch (runtime/hot.py, Resumed.catch_up): it commits, or is found committed already,
+    unless a later fault cut it short (that recovery then catches up in its turn)."""
+    out = []
+    ordered = sorted((e for e in rank0 if "ts" in e), key=lambda e: _epoch(e["ts"]))
+    for i, e in enumerate(ordered):
+        step = e.get("catch_up_save") if e.get("event") == "recovery.hot.formed" else None
+        if step is None:
+            continue
+        for later in ordered[i + 1 :]:
+            name = later.get("event")
+            if name in ("ckpt.save.committed", "ckpt.save.skipped") and later["step"] == step:
+                break
+            if name in ("recovery.hot.formed", "runtime.init"):
+                break
+        else:
+            out.append(f"g: the hot recovery to step {step} lost a save and never saved {step}")
+    return out
 
 
 def _recoveries(run_dir: Path, planned: list[Planned], injected: list[Injected]) -> list[str]:

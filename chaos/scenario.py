@@ -76,7 +76,7 @@ _PHASES = ("data", "forward", "backward", "optimizer", "step")
 HOT_ONLY = {"raise_twice", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
 """Kinds of hot mode that the cold draw leaves out, so a seed's cold schedules stay as
 they were before hot mode existed."""
-LOST_PROCESS = {"kill", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
+LOST_PROCESS = {"kill", "kill_during_save", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
 """In hot mode these need `resilient run --hot-recovery` (a warm replacement); without it
 a hot scenario that has one is skipped, with the reason."""
 HOT_KINDS = {"raise", "oom", "raise_twice"} | LOST_PROCESS

@@ -140,3 +140,36 @@ def test_two_ranks_lost_at_once_go_cold_and_still_end_bit_exact(
     # both at one look of the agent, or the second while the first one's generation formed
     assert reasons and ("at once" in reasons[0] or "still forming" in reasons[0]), reasons
     assert len(_events(tmp_path, "attempt.start")) == 2  # one cold restart
+
+
+@pytest.mark.parametrize("policy", ["steps", "seconds"])
+def test_a_save_lost_with_the_peer_is_made_again(
+    golden: dict[int, str], tmp_path: Path, policy: str
+) -> None:
+    """Rank 1 dies as the save of step 4 starts; rank 0's save fails on the lost connection.
+    The replacement's newest snapshot is step 3. On a step schedule the replay saves 4
+    again by itself; on a time policy nothing would, so every rank saves step 3 at once
+    (the catch-up; without it each such fault leaves the newest checkpoint further behind;
+    here 3 was committed already, so the catch-up finds it and writes nothing)."""
+    save = ["--save-every", "4"] if policy == "steps" else ["--save-every-seconds", "1e-6"]
+    code, err = _run(
+        tmp_path, 2, ["kill@rank=1,step=3,phase=checkpoint"], "--hot-recovery", worker=tuple(save)
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden[2]
+    formed = _events(tmp_path, "recovery.hot.formed")
+    assert sorted(e["rank"] for e in formed) == [0, 1]
+    assert {e["to_step"] for e in formed} == {3}
+    assert all(e["lost_saves"] == [4] for e in formed), formed
+    catch_up = 3 if policy == "seconds" else None
+    assert {e["catch_up_save"] for e in formed} == {catch_up}
+    t_formed = max(e["ts"] for e in formed)
+    after = {
+        int(e["step"])
+        for name in ("ckpt.save.committed", "ckpt.save.skipped")  # skipped: committed already
+        for e in _events(tmp_path, name)
+        if e["rank"] == 0 and e["ts"] > t_formed
+    }
+    assert 4 in after  # the lost save, made again by the replay
+    assert (3 in after) == (policy == "seconds")
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"

@@ -19,7 +19,9 @@ worker dies (kill -9, a crash, an OOM exit):
    collective agreement on the newest snapshot step every rank can restore: a survivor from
    its own snapshot, the replacement from a survivor (the replicated DDP state, sent point to
    point) and from the replica of its per-rank state (RNG, data position) that the lost rank
-   left in the store at each snapshot. Durable checkpoints are not read.
+   left in the store at each snapshot. Durable checkpoints are not read; a durable save the
+   loss interrupted is made again at the resumed step when the replay would not make it
+   (Resumed.catch_up).
 
 Why the script is re-run rather than the survivors patching their live objects: a replacement
 runs the whole start-up of the script (process groups, DDP's construction broadcast, the
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "WAIT_S",
     "HotRestart",
+    "Resumed",
     "enabled",
     "generation",
     "put_replica",
@@ -106,6 +109,8 @@ class _Carry:
     reason: str
     step: int
     """The step whose body was running when the loss was seen."""
+    lost_save: int | None
+    """The step of this rank's durable save that the loss interrupted (did not commit)."""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -161,6 +166,7 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
         detected_at=t0,
         reason=str(exc)[:300],
         step=rt.watchdog.progress.step,
+        lost_save=rt.lost_save,
         timings={"teardown_s": time.monotonic() - t0},
     )
     raise HotRestart(gen, str(exc)[:200])
@@ -266,7 +272,18 @@ def _recv_state(src: int, group: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- every rank of the new generation
-def resume(rt: Runtime) -> int | None:
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+    """The snapshot step every rank restored."""
+    catch_up: bool
+    """A durable save was lost with the peer and the replay will not make it again on the
+    step schedule: every rank saves `step` before its first batch (otherwise each hot recovery
+    during a save leaves the newest checkpoint one interval further behind, and a later cold
+    fallback replays all of that)."""
+
+
+def resume(rt: Runtime) -> Resumed | None:
     """In Runtime.resume() of generation g >= 1 (hot on): restore the newest snapshot step every
     rank can restore. Returns that step, or None to load from storage as a cold start would.
     Collectives on the control group: every rank of the generation calls it."""
@@ -276,10 +293,10 @@ def resume(rt: Runtime) -> int | None:
     carry, _carry = _carry, None
     store = rt.ctx.base_store
     if carry is not None:
-        mine = {"steps": carry.steps, "survivor": True, "at": carry.step}
+        mine = {"steps": carry.steps, "survivor": True, "at": carry.step, "lost": carry.lost_save}
     else:  # the replacement: the steps its lost predecessor left a replica of
         replica = _get_replica(store, rt.rank) if store is not None else {}
-        mine = {"steps": sorted(replica), "survivor": False, "at": None}
+        mine = {"steps": sorted(replica), "survivor": False, "at": None, "lost": None}
     every: list[Any] = [None] * rt.world_size
     dist.all_gather_object(every, mine, group=rt.ctx.control_group)
     common = set(every[0]["steps"])
@@ -311,6 +328,9 @@ def resume(rt: Runtime) -> int | None:
     del sd
     if carry is not None:
         carry.buffers.clear()
+    lost = sorted({m["lost"] for m in every if m["lost"] is not None})
+    # a lost save past the target is made again by the replay when the step policy saves there
+    catch_up = any(s <= target or not rt.saves_on_schedule(s) for s in lost)
     fields: dict[str, Any] = {
         "to_step": target,
         "steps_lost": max(int(every[r]["at"]) for r in survivors) - target,
@@ -319,6 +339,8 @@ def resume(rt: Runtime) -> int | None:
         "from_rank": src,
         "transfer_s": round(transfer_s, 4),
         "restore_s": round(time.monotonic() - t0, 4),
+        "lost_saves": lost,
+        "catch_up_save": target if catch_up else None,
     }
     if carry is not None:
         fields.update({k: round(v, 4) for k, v in carry.timings.items()})
@@ -326,4 +348,4 @@ def resume(rt: Runtime) -> int | None:
     log.warning(ev.RECOVERY_HOT_FORMED, **fields)
     if rt.rank == 0 and store is not None:
         store.set(f"{store_prefix()}/gen_{generation()}/formed", "1")
-    return target
+    return Resumed(target, catch_up=catch_up)

@@ -268,6 +268,11 @@ class Loops:
         if loss is not None:
             self._fp.observe_loss(loss)
 
+    def saves_on_schedule(self, step: int) -> bool:
+        """Whether the loop's step policy saves once `step` steps are done (the time policy
+        is not a schedule a replay repeats)."""
+        return self._every_steps is not None and step % self._every_steps == 0
+
     def _should_save(self) -> bool:
         every = self._every_steps
         due = every is not None and self.step % every == 0

@@ -227,6 +227,9 @@ class Runtime(Loops):
         if self.snapshots.enabled:
             self.guards.rollback = self.snapshots.agree_rollback
         self._abandoned = False
+        self.lost_save: int | None = None
+        """After abandon(): the step of a save started here that did not commit (its write
+        lost the peer), for the hot resume's catch-up save."""
         if hot.enabled() and self.ctx.distributed and self.ctx.base_store is not None:
             # a lost peer: re-run the script in place from the snapshots (runtime/hot.py)
             store = self.ctx.base_store
@@ -363,7 +366,7 @@ class Runtime(Loops):
                 with self.watchdog.phase(Phase.CHECKPOINT):
                     hot_step = hot.resume(self)  # None: no step every rank can restore
             if hot_step is not None:
-                self._resume_hot(hot_step)
+                self._resume_hot(hot_step.step, catch_up=hot_step.catch_up)
                 return self.step
             with self.watchdog.phase(Phase.CHECKPOINT):
                 loaded = self.checkpoints.load_latest(self.state)
@@ -384,8 +387,11 @@ class Runtime(Loops):
                 )
         return self.step
 
-    def _resume_hot(self, step: int) -> None:
-        """After hot.resume() restored `step` from memory: what a load would have set up."""
+    def _resume_hot(self, step: int, *, catch_up: bool) -> None:
+        """After hot.resume() restored `step` from memory: what a load would have set up.
+        `catch_up`: a rank's durable save was lost with the peer; save `step` at once (every
+        rank: the hot resume agreed on it), so the newest checkpoint does not fall one
+        interval further behind with each hot recovery."""
         self.step = step
         self._saved_step = None
         if self._data is not None:
@@ -397,6 +403,8 @@ class Runtime(Loops):
         self._fp.check = ReplayCheck.open(
             self.log, self.log_path, rank=self.rank, world=self.world_size, resumed_at=step
         )
+        if catch_up:
+            self.save()
 
     def abandon(self, *, drain_s: float) -> bool:
         """Take this Runtime down after a peer was lost, without waiting on the peer: stop
@@ -425,6 +433,8 @@ class Runtime(Loops):
         threading.Thread(target=drain, name="resilient-drain", daemon=True).start()
         if not drained.wait(drain_s):
             return False
+        if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
+            self.lost_save = self._saved_step
         with contextlib.suppress(BaseException):
             self.checkpoints.close()
         abandon_distributed(self.ctx)

@@ -39,6 +39,9 @@ def main() -> None:
     )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--save-every", type=int, default=1000)
+    p.add_argument(
+        "--save-every-seconds", type=float, default=None, help="a time policy instead of steps"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--corpus-chars", type=int, default=20_000)
     p.add_argument("--workers", type=int, default=0)
@@ -47,8 +50,13 @@ def main() -> None:
     args = p.parse_args()
     schedule = [tuple(int(v) for v in item.split(":")) for item in args.splits.split(",") if item]
 
+    timed = args.save_every_seconds is not None
     rt = resilient.init(
-        args.ckpt_dir, run_dir=args.run_dir, save_every_steps=args.save_every, async_save=False
+        args.ckpt_dir,
+        run_dir=args.run_dir,
+        save_every_steps=None if timed else args.save_every,
+        save_every_seconds=args.save_every_seconds,
+        async_save=False,
     )
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=CharTokenizer().vocab_size, n_layer=1, n_head=2, n_embd=32)
