@@ -23,6 +23,7 @@ import gc
 import os
 import runpy
 import sys
+import time
 
 from resilient.envvars import ENV_GENERATION
 from resilient.runtime import hot
@@ -70,6 +71,10 @@ def main(argv: list[str]) -> None:
         argv = _become_assigned()
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.exit("usage: python -m resilient.worker SCRIPT ARGS... | -m MODULE ARGS...")
+    # torch's and the runtime's ~300,000 objects out of the collector's sight: the full
+    # collection after a hot restart took 0.17 s of the recovery with them, microseconds
+    # without (nothing is leaked: a frozen object is still freed when its refcount drops)
+    gc.freeze()
     while True:
         try:
             _run(list(argv))
@@ -85,7 +90,10 @@ def main(argv: list[str]) -> None:
                 raise
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
         # collect them, so their finalizers run before the next generation starts.
-        gc.collect()
+        t0 = time.monotonic()
+        gc.collect()  # the old model and optimizer sit in reference cycles (DDP's hooks)
+        gc.freeze()  # what is left (the script's own imports) stays out of the next one
+        hot.note("gc_s", time.monotonic() - t0)
         os.environ[ENV_GENERATION] = str(hot.await_generation())
 
 

@@ -196,6 +196,12 @@ def _cold(rt: Runtime, reason: str) -> NoReturn:
     exit_now(ExitCode.PEER_LOST, kind="peer_lost", reason=f"hot recovery refused: {reason}")
 
 
+def note(name: str, seconds: float) -> None:
+    """Add a timing of the survivor's way to the new generation (recovery.hot.formed)."""
+    if _carry is not None:
+        _carry.timings[name] = seconds
+
+
 def await_generation() -> int:
     """In the wrapper, after HotRestart: wait until the agent published the generation this
     survivor waits for; returns it. Exits PEER_LOST (the agent then restarts cold) after
