@@ -187,6 +187,49 @@ def test_zip_crc_is_skipped_only_in_the_thread_that_asks() -> None:
     assert all(c != 0 for c in crcs())
 
 
+def test_a_fresh_optimizer_is_loaded_without_a_step_and_bitwise_as_stock() -> None:
+    """TrainState.apply loads into a fresh optimizer without set_optimizer_state_dict's
+    zero-gradient step first (checkpoint/_torch_compat.py, no_init_step): the same state as
+    the stock load, bit for bit, and the optimizer's step hooks never see a step."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        m[2].bias.requires_grad_(False)  # a parameter that never has state
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        return m, opt
+
+    m, opt = build()
+    for _ in range(3):
+        m(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = TrainState(model=m, optimizer=opt).to_state_dict(step=3, rank=0)
+
+    ours_m, ours = build()
+    steps: list[int] = []
+    ours.register_step_post_hook(lambda *_: steps.append(1))
+    TrainState(model=ours_m, optimizer=ours).apply(sd, rank=0)
+    stock_m, stock = build()
+    stock_m.load_state_dict(m.state_dict())
+    set_optimizer_state_dict(stock_m, stock, sd["optim"])
+
+    assert not steps
+    assert len(ours.state) == len(stock.state) == 3  # the frozen bias has none
+    for p_ours, p_stock in zip(ours_m.parameters(), stock_m.parameters(), strict=True):
+        assert torch.equal(p_ours, p_stock)
+        assert p_ours.grad is None
+        for k, v in stock.state.get(p_stock, {}).items():
+            assert torch.equal(ours.state[p_ours][k], v), k
+    # a load that fails leaves the fresh optimizer as it was
+    fresh_m, fresh = build()
+    partial = {"state": {"0.weight": sd["optim"]["state"]["0.weight"]}, "param_groups": []}
+    with pytest.raises(RuntimeError, match="Missing optimizer state"):
+        TrainState(model=fresh_m, optimizer=fresh).apply({**sd, "optim": partial}, rank=0)
+    assert not fresh.state
+
+
 def test_a_format_1_manifest_with_crc32_still_loads(tmp_path: Path) -> None:
     """Checkpoints written before CRC-32C (manifest format 1, zlib crc32) stay loadable, and
     their checksums are still checked."""

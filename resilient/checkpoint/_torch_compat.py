@@ -2,10 +2,12 @@
 
 torch.distributed.checkpoint (DCP) has no public hook for some of what we do: storing a
 value the way its load planner does, finding a reader's `.metadata`, knowing which file and
-byte range a read item comes from, and skipping torch.save's per-record zip CRC in our own
-writer threads. Each is taken here and nowhere else, and checked when this module is
-imported: if a torch release renames or removes one, importing resilient fails at once with
-an error naming the torch version and the feature, never later with a silent default.
+byte range a read item comes from, skipping torch.save's per-record zip CRC in our own
+writer threads, and loading into a fresh optimizer without the zero-gradient step that
+set_optimizer_state_dict runs first. Each is taken here and nowhere else, and checked when
+this module is imported: if a torch release renames or removes one, importing resilient
+fails at once with an error naming the torch version and the feature, never later with a
+silent default.
 
 Tested with torch 2.13.
 """
@@ -26,6 +28,7 @@ from resilient._torch_check import TorchCompatError, missing
 
 __all__ = [
     "metadata_path",
+    "no_init_step",
     "no_zip_crc32_in_this_thread",
     "planner_store",
     "read_location",
@@ -133,3 +136,36 @@ def no_zip_crc32_in_this_thread() -> Iterator[None]:
         yield
     finally:
         _local.skip = previous
+
+
+# --- 5. set_optimizer_state_dict's step on a fresh optimizer ---------------------------------
+# On an optimizer with no state yet, set_optimizer_state_dict first runs one optimizer.step()
+# with zero gradients and lr 0 (_init_optim_state), so that every state key exists. Then
+# Optimizer.load_state_dict replaces the whole of optimizer.state with the loaded one: the
+# step's only lasting effects are its cost (zero gradients and a full update: 50-100 ms of a
+# resume at 100 MB of AdamW state, on the hot recovery's critical path) and the optimizer's
+# step hooks firing for a step that never was. _init_optim_state returns at once when
+# optimizer.state is not empty; a placeholder entry for the load makes it so.
+try:
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+except ImportError as e:  # pragma: no cover
+    raise _missing("torch.distributed.checkpoint.state_dict._init_optim_state", str(e)) from e
+if "state" not in _init_optim_state.__code__.co_names:  # pragma: no cover
+    raise _missing("_init_optim_state's check of optim.state", "it no longer looks at it")
+
+
+@contextlib.contextmanager
+def no_init_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, set_optimizer_state_dict loads into a fresh `optimizer` without stepping it
+    first. The placeholder is gone after a load (the state is replaced) or taken out here."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if optimizer.state or not params:
+        yield
+        return
+    placeholder: dict[str, Any] = {}
+    optimizer.state[params[0]] = placeholder
+    try:
+        yield
+    finally:
+        if optimizer.state.get(params[0]) is placeholder:  # the load did not happen
+            del optimizer.state[params[0]]

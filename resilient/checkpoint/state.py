@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from resilient.checkpoint._torch_compat import no_init_step
+
 __all__ = ["StatefulLike", "TrainState", "capture_rng", "restore_rng", "state_digest"]
 
 
@@ -129,7 +131,8 @@ class TrainState:
         if self.model is not None:
             set_model_state_dict(self.model, sd["model"])
             if self.optimizer is not None:
-                set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
+                with no_init_step(self.optimizer):  # no zero-gradient step first: see there
+                    set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
         common = _unpack(sd["common"])
         for k, obj in self.common.items():
             if k in common:
