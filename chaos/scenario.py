@@ -76,9 +76,18 @@ _PHASES = ("data", "forward", "backward", "optimizer", "step")
 HOT_ONLY = {"raise_twice", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
 """Kinds of hot mode that the cold draw leaves out, so a seed's cold schedules stay as
 they were before hot mode existed."""
-LOST_PROCESS = {"kill", "kill_during_save", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
+LOST_PROCESS = {
+    "kill",
+    "kill_during_save",
+    "oom_exit",
+    "kill_during_snapshot",
+    "kill_with_buddy",
+    "hang",
+    "sigstop",
+}
 """In hot mode these need `resilient run --hot-recovery` (a warm replacement); without it
-a hot scenario that has one is skipped, with the reason."""
+a hot scenario that has one is skipped, with the reason. A hung or stopped rank is one: the
+watchdog's hot verdict takes it out alone (runtime/verdict.py), and it is replaced."""
 HOT_KINDS = {"raise", "oom", "raise_twice"} | LOST_PROCESS
 """The faults a hot-mode scenario may have (issue 10, item 5)."""
 _IN_STEP = ("forward", "backward")
@@ -290,7 +299,12 @@ def _draw_hot(
     ]
     storage = "s3" if rng.random() < 0.25 else "local"
     return Scenario(
-        name=name, steps=steps, save_every=save_every, storage=storage, hot=True, faults=faults
+        name=name,
+        steps=steps,
+        save_every=save_every,
+        storage=storage,
+        hot=True,
+        faults=faults,
     )
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "PREEMPT_EXIT",
     "PREEMPT_STOP",
     "RECOVERY_COLD",
+    "RECOVERY_HOT_AWAIT",
     "RECOVERY_HOT_DETECT",
     "RECOVERY_HOT_FORMED",
     "RECOVERY_HOT_REPLACE",
@@ -92,6 +93,8 @@ ROLLBACK_AGREED = "rollback.agreed"
 ROLLBACK_REFUSED = "rollback.refused"
 ROLLBACK_DONE = "rollback.done"
 OOM_RETRY = "oom.retry"
+RECOVERY_HOT_AWAIT = "recovery.hot.await"
+"""A hot verdict named a stalled or silent peer: this rank stays and waits to meet the loss."""
 RECOVERY_HOT_DETECT = "recovery.hot.detect"
 RECOVERY_HOT_REPLACE = "recovery.hot.replace"
 RECOVERY_HOT_FORMED = "recovery.hot.formed"

@@ -259,6 +259,7 @@ def test_hot_mode_is_drawn_from_its_own_generator_and_keeps_the_cold_schedules()
     lost = {f.kind for sc in generate(2026, 100, hot_fraction=0.3, hot_lost=True) if sc.hot
             for f in sc.faults}  # fmt: skip
     assert {"kill", "oom_exit", "kill_during_snapshot", "kill_with_buddy"} <= lost
+    assert {"kill_during_save", "hang", "sigstop"} <= lost
 
 
 @pytest.mark.parametrize(
@@ -272,6 +273,9 @@ def test_hot_mode_is_drawn_from_its_own_generator_and_keeps_the_cold_schedules()
         ("oom_exit", "forward", "hot"),
         ("kill_during_snapshot", "forward", "hot"),
         ("kill_with_buddy", "forward", "cold"),
+        ("kill_during_save", "forward", "hot"),
+        ("hang", "forward", "hot"),
+        ("sigstop", "forward", "hot"),
     ],
 )
 def test_hot_mode_expects_a_recovery_per_fault(kind: str, phase: str, expected: str):

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from helpers import GUARDED_WORKER, Launcher, run_cmd, run_events
 
+from resilient.exitcodes import ExitCode
 from resilient.proctree import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -25,7 +26,12 @@ STEPS = 10
 
 
 def _run(
-    out: Path, nproc: int, faults: list[str], *extra: str, worker: tuple[str, ...] = ()
+    out: Path,
+    nproc: int,
+    faults: list[str],
+    *extra: str,
+    worker: tuple[str, ...] = (),
+    watchdog: dict[str, float] | None = None,
 ) -> tuple[int, str]:
     argv = [*extra, "--nproc-per-node", str(nproc), "--run-dir", str(out / "run")]
     argv += ["--monitor-interval", "0.05"]
@@ -34,7 +40,7 @@ def _run(
     argv += [GUARDED_WORKER]
     argv += ["--mode", "micro", "--steps", str(STEPS), "--workers", "0", *worker]
     argv += ["--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run")]
-    env = {"RESILIENT_WATCHDOG": json.dumps(WATCHDOG)}
+    env = {"RESILIENT_WATCHDOG": json.dumps({**WATCHDOG, **(watchdog or {})})}
     if "--hot-recovery" in extra:  # a snapshot every step: a kill at step 5 loses none
         env["RESILIENT_SNAPSHOT"] = json.dumps({"enabled": True, "every_steps": 1})
     launcher = Launcher()
@@ -173,3 +179,41 @@ def test_a_save_lost_with_the_peer_is_made_again(
     assert 4 in after  # the lost save, made again by the replay
     assert (3 in after) == (policy == "seconds")
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+
+
+@pytest.mark.parametrize("kind", ["hang", "stop"])
+def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
+    golden: dict[int, str], tmp_path: Path, kind: str
+) -> None:
+    """Rank 1's main thread sleeps in its forward at step 5 (hang), or the whole process is
+    SIGSTOPped there (stop); rank 0 waits for it in the gradient all-reduce. The watchdog
+    names rank 1 (stalled past its phase timeout; silent and stopped) in a hot verdict: the
+    sleeping rank dumps its stacks and exits, the stopped one is SIGKILLed by rank 0, which
+    stays, meets the closed connection and goes hot with the replacement
+    (runtime/verdict.py)."""
+    code, err = _run(
+        tmp_path,
+        2,
+        [f"{kind}@rank=1,step=5,phase=forward"],
+        "--hot-recovery",
+        watchdog={"timeout_s": 3.0, "heartbeat_timeout_s": 3.0},
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden[2]
+    (hang,) = _events(tmp_path, "hang.detected")
+    assert hang["ranks"] == [1] and hang["hot"] is True, hang
+    assert hang["kind"] == ("stalled" if kind == "hang" else "no_heartbeat")
+    if kind == "hang":  # the hung rank's own dump
+        assert (tmp_path / "run" / "stacks" / "rank1.txt").exists()
+    (waited,) = _events(tmp_path, "recovery.hot.await")
+    assert waited["rank"] == 0
+    (replace,) = _events(tmp_path, "recovery.hot.replace")
+    exit_code = int(ExitCode.HANG) if kind == "hang" else -9
+    assert (replace["rank"], replace["exit_code"]) == (1, exit_code)
+    formed = _events(tmp_path, "recovery.hot.formed")
+    assert sorted(e["rank"] for e in formed) == [0, 1]
+    assert {e["to_step"] for e in formed} == {5}
+    first, second = _inits(tmp_path)[0]
+    assert first == second  # rank 0 kept its process
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+    assert not _events(tmp_path, "recovery.cold")

@@ -8,6 +8,13 @@ closed connection before it read the verdict), flushes its logs and calls os._ex
 verdict's code, so torchrun restarts the group. `Verdicts` is mixed into the Watchdog (which
 owns the store connection and the thread that carries verdicts out); it never joins a
 collective.
+
+Under hot recovery (`resilient run --hot-recovery`, runtime/hot.py) a verdict that names one
+stalled or silent rank is a hot verdict: only the named rank leaves (its own thread exits it;
+a stopped or silent one on this host is SIGKILLed by the rank that won the claim), and the
+others stay. Their main threads, blocked in a collective with it, then meet the closed
+connection and take the hot path like any lost peer; a rank whose main thread has not done
+so within `hot.WAIT_S` exits with the verdict's code after all (cold).
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from resilient import events as ev
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
-from resilient.runtime import procinfo
+from resilient.runtime import hot, procinfo
 from resilient.runtime.dist import DistContext
 from resilient.runtime.heartbeat import Detection, decode_beats
 from resilient.runtime.phases import Phase, Progress
@@ -51,6 +59,7 @@ class Verdicts:
     progress: Progress
     stacks_path: Path
     _store: Any
+    _stop: threading.Event
     _exit_lock: threading.Lock
     _log: Any
 
@@ -63,13 +72,18 @@ class Verdicts:
             return False
 
     def wait_for_verdict(self, timeout: float) -> None:
-        """Wait up to `timeout` s for a verdict and carry it out (then this never returns)."""
+        """Wait up to `timeout` s for a verdict and carry it out (then this never returns).
+        A hot verdict that spares this rank returns at once: the watchdog's thread carries it
+        out, and the caller (the guard, with a lost peer) takes the hot path."""
         if self._store is None:
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.verdict_pending():
-                self._follow()
+                verdict, _ = self._read_verdict()
+                if verdict.get("hot") and self.rank not in verdict.get("ranks", ()):
+                    return
+                self._execute(verdict, won=False)
             time.sleep(min(0.05, self.config.heartbeat_interval_s / 4))
 
     def abort(
@@ -137,6 +151,7 @@ class Verdicts:
             "kind": det.kind,
             "code": int(code),
             "ranks": list(det.ranks),
+            "hot": self._hot_eligible(det),
             "named": named,
             "blocked": list(det.blocked[:64]),
             "n_blocked": len(det.blocked),
@@ -146,6 +161,42 @@ class Verdicts:
             "expect_acks": self.ctx.world_size
             - (len(det.ranks) if det.kind == "no_heartbeat" else 0),
         }
+
+    def _hot_eligible(self, det: Detection) -> bool:
+        """One stalled or silent rank under hot recovery: it alone leaves, and is replaced."""
+        return (
+            hot.enabled()
+            and self.ctx.distributed
+            and len(det.ranks) == 1
+            and det.kind in ("stalled", "no_heartbeat")
+        )
+
+    def carry_out(self, v: dict[str, Any], won: bool) -> None:
+        """From the watchdog's thread: carry out verdict `v`. Returns only on a rank that
+        stays for a hot verdict, once its main thread went hot (the Runtime stopped this
+        thread); never returns otherwise."""
+        if not v.get("hot") or self.rank in v.get("ranks", ()):
+            self._execute(v, won)
+        if not self._exit_lock.acquire(blocking=False):
+            while True:  # the other thread is carrying out a verdict and will exit the process
+                time.sleep(3600)
+        if won:
+            self._log.error(
+                "hang.detected" if int(v["code"]) == ExitCode.HANG else "fault.detected",
+                **{k: v[k] for k in v if k not in ("code", "dump", "expect_acks", "by")},
+                exit_code=int(v["code"]),
+            )
+            self._kill_stopped(v)
+        with contextlib.suppress(*STORE_ERRORS):
+            self._store.add("ack", 1)
+        self._log.warning(ev.RECOVERY_HOT_AWAIT, ranks=v.get("ranks"), decided_by=v.get("by"))
+        if self._stop.wait(hot.WAIT_S):  # the main thread met the loss and went hot
+            return
+        self._log.error(
+            ev.RECOVERY_COLD,
+            reason=f"the main thread did not meet rank {v.get('ranks')}'s loss in {hot.WAIT_S:g} s",
+        )
+        hard_exit(ExitCode(int(v["code"])))
 
     def _claim(self, verdict: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Publish `verdict` unless another rank's came first; returns (the verdict, won)."""
@@ -163,12 +214,16 @@ class Verdicts:
         return verdict, False
 
     def _follow(self) -> NoReturn:
+        self._execute(*self._read_verdict())
+
+    def _read_verdict(self) -> tuple[dict[str, Any], bool]:
+        """The published verdict (someone else's: not won here)."""
         try:
             verdict = json.loads(self._store.get("verdict"))
         except STORE_ERRORS as e:
             verdict = {"kind": "store_lost", "code": int(ExitCode.PEER_LOST), "ranks": []}
             self._log.warning("watchdog.store_error", error=str(e)[:300])
-        self._execute(verdict, won=False)
+        return verdict, False
 
     def _execute(self, v: dict[str, Any], won: bool) -> NoReturn:
         if not self._exit_lock.acquire(blocking=False):
@@ -268,10 +323,13 @@ class Verdicts:
         return got
 
     def _kill_stopped(self, v: dict[str, Any]) -> None:
+        """SIGKILL the named ranks on this host that cannot exit themselves: stopped ones
+        and, in a hot verdict, silent running ones (their replacement is on its way)."""
         if not self.config.kill_stopped:
             return
+        states = ("stopped", "running") if v.get("hot") else ("stopped",)
         for d in v.get("named", []):
-            if d.get("state") == "stopped" and d.get("pid"):
+            if d.get("state") in states and d.get("pid"):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(int(d["pid"]), signal.SIGKILL)
                     self._log.warning("watchdog.killed", rank=d["rank"], pid=d["pid"])

@@ -230,7 +230,8 @@ class Watchdog(Verdicts):
     def _tick(self) -> None:
         self._publish()
         if self._store.check(["verdict"]):
-            self._follow()
+            self.carry_out(*self._read_verdict())
+            return
         assert self._detector is not None
         report = self._detector.update(self._store.multi_get(self._watch_keys))
         for s in report.stragglers:
@@ -244,7 +245,7 @@ class Watchdog(Verdicts):
             )
         if report.detection is not None and not self._stop.is_set():
             verdict, won = self._claim(self._verdict(report.detection))
-            self._execute(verdict, won)
+            self.carry_out(verdict, won)
 
     def _publish(self) -> None:
         with self._publish_lock:
