@@ -304,8 +304,27 @@ def _draw_hot(
         save_every=save_every,
         storage=storage,
         hot=True,
-        faults=faults,
+        faults=_after_saves(faults, save_every, steps),
     )
+
+
+def _after_saves(faults: list[Fault], save_every: int, steps: int) -> list[Fault]:
+    """A `kill_during_save` fires at the first save after its step, up to `save_every` steps
+    later, and a hot recovery resumes there, not at a checkpoint before: a later fault of the
+    same draw must come after that save, or its step is never run again (soak 2026, run 0145,
+    waited for ever for an OOM at step 13 after a kill during save 16). Such faults move past
+    it, or go when the run ends first."""
+    out: list[Fault] = []
+    floor = 0
+    for f in faults:
+        if f.at_step < floor:
+            if floor >= steps - 1:
+                continue
+            f = dataclasses.replace(f, at_step=floor)
+        out.append(f)
+        if f.kind == "kill_during_save":
+            floor = max(floor, -(-(f.at_step + 1) // save_every) * save_every + 1)
+    return out
 
 
 def _draw_cold(

@@ -262,6 +262,19 @@ def test_hot_mode_is_drawn_from_its_own_generator_and_keeps_the_cold_schedules()
     assert {"kill_during_save", "hang", "sigstop"} <= lost
 
 
+def test_a_hot_draw_puts_faults_after_the_save_a_kill_during_save_waits_for():
+    """kill_during_save fires at the first save after its step and a hot recovery resumes
+    there: a fault drawn in between would never run (soak 2026, run 0145)."""
+    from chaos.scenario import _after_saves
+
+    faults = [Fault(kind="kill_during_save", at_step=12), Fault(kind="oom", at_step=13)]
+    moved = _after_saves(faults, save_every=4, steps=24)
+    assert [(f.kind, f.at_step) for f in moved] == [("kill_during_save", 12), ("oom", 17)]
+    assert _after_saves(faults, save_every=4, steps=17) == faults[:1]  # no room: dropped
+    late = [Fault(kind="kill_during_save", at_step=5), Fault(kind="kill", at_step=11)]
+    assert _after_saves(late, save_every=4, steps=24) == late  # already past save 8
+
+
 @pytest.mark.parametrize(
     ("kind", "phase", "expected"),
     [
