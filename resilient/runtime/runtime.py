@@ -361,12 +361,12 @@ class Runtime(Loops):
         if not self._resumed:
             self.checkpoints.check_writable()
             loaded = None
-            hot_step = None
+            from_memory = None
             if hot.enabled() and hot.generation() > 0 and self.ctx.distributed:
                 with self.watchdog.phase(Phase.CHECKPOINT):
-                    hot_step = hot.resume(self)  # None: no step every rank can restore
-            if hot_step is not None:
-                self._resume_hot(hot_step.step, catch_up=hot_step.catch_up)
+                    from_memory = hot.resume(self)  # None: no step every rank can restore
+            if from_memory is not None:
+                self._resume_hot(from_memory.step, catch_up=from_memory.catch_up)
                 return self.step
             with self.watchdog.phase(Phase.CHECKPOINT):
                 loaded = self.checkpoints.load_latest(self.state)
