@@ -91,7 +91,7 @@ def main(argv: list[str]) -> None:
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
         # collect them, so their finalizers run before the next generation starts.
         t0 = time.monotonic()
-        gc.collect()  # the old model and optimizer sit in reference cycles (DDP's hooks)
+        gc.collect()
         gc.freeze()  # what is left (the script's own imports) stays out of the next one
         hot.note("gc_s", time.monotonic() - t0)
         os.environ[ENV_GENERATION] = str(hot.await_generation())

@@ -81,7 +81,7 @@ class Verdicts:
         while time.monotonic() < deadline:
             if self.verdict_pending():
                 verdict, _ = self._read_verdict()
-                if verdict.get("hot") and self.rank not in verdict.get("ranks", ()):
+                if self._spares(verdict):
                     return
                 self._execute(verdict, won=False)
             time.sleep(min(0.05, self.config.heartbeat_interval_s / 4))
@@ -175,20 +175,9 @@ class Verdicts:
         """From the watchdog's thread: carry out verdict `v`. Returns only on a rank that
         stays for a hot verdict, once its main thread went hot (the Runtime stopped this
         thread); never returns otherwise."""
-        if not v.get("hot") or self.rank in v.get("ranks", ()):
+        if not self._spares(v):
             self._execute(v, won)
-        if not self._exit_lock.acquire(blocking=False):
-            while True:  # the other thread is carrying out a verdict and will exit the process
-                time.sleep(3600)
-        if won:
-            self._log.error(
-                "hang.detected" if int(v["code"]) == ExitCode.HANG else "fault.detected",
-                **{k: v[k] for k in v if k not in ("code", "dump", "expect_acks", "by")},
-                exit_code=int(v["code"]),
-            )
-            self._kill_stopped(v)
-        with contextlib.suppress(*STORE_ERRORS):
-            self._store.add("ack", 1)
+        code = self._take_part(v, won)
         self._log.warning(ev.RECOVERY_HOT_AWAIT, ranks=v.get("ranks"), decided_by=v.get("by"))
         if self._stop.wait(hot.WAIT_S):  # the main thread met the loss and went hot
             return
@@ -196,7 +185,11 @@ class Verdicts:
             ev.RECOVERY_COLD,
             reason=f"the main thread did not meet rank {v.get('ranks')}'s loss in {hot.WAIT_S:g} s",
         )
-        hard_exit(ExitCode(int(v["code"])))
+        hard_exit(code)
+
+    def _spares(self, v: dict[str, Any]) -> bool:
+        """A hot verdict that does not name this rank: it stays (carry_out)."""
+        return bool(v.get("hot")) and self.rank not in v.get("ranks", ())
 
     def _claim(self, verdict: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Publish `verdict` unless another rank's came first; returns (the verdict, won)."""
@@ -226,6 +219,25 @@ class Verdicts:
         return verdict, False
 
     def _execute(self, v: dict[str, Any], won: bool) -> NoReturn:
+        code = self._take_part(v, won)
+        self._log.error(
+            "watchdog.exit",
+            code=int(code),
+            kind=v.get("kind"),
+            ranks=v.get("ranks"),
+            decided_by=v.get("by"),
+        )
+        deadline = time.monotonic() + float(self.config.exit_grace_s or 0)
+        expected = int(v.get("expect_acks", self.ctx.world_size))
+        with contextlib.suppress(*STORE_ERRORS):
+            while time.monotonic() < deadline and self._store.add("ack", 0) < expected:
+                time.sleep(min(0.05, self.config.heartbeat_interval_s / 4))
+        hard_exit(code)
+
+    def _take_part(self, v: dict[str, Any], won: bool) -> ExitCode:
+        """This rank's part in verdict `v`, short of leaving: the one thread to carry it out,
+        the announcement and the kills (by the winner), this rank's stack dump when named
+        for one, its acknowledgement. Returns the verdict's exit code."""
         if not self._exit_lock.acquire(blocking=False):
             while True:  # the other thread is carrying out a verdict and will exit the process
                 time.sleep(3600)
@@ -241,19 +253,7 @@ class Verdicts:
             self._store.add("ack", 1)
         except STORE_ERRORS as e:
             self._log.warning("watchdog.store_error", error=str(e)[:300])
-        self._log.error(
-            "watchdog.exit",
-            code=int(code),
-            kind=v.get("kind"),
-            ranks=v.get("ranks"),
-            decided_by=v.get("by"),
-        )
-        deadline = time.monotonic() + float(self.config.exit_grace_s or 0)
-        expected = int(v.get("expect_acks", self.ctx.world_size))
-        with contextlib.suppress(*STORE_ERRORS):
-            while time.monotonic() < deadline and self._store.add("ack", 0) < expected:
-                time.sleep(min(0.05, self.config.heartbeat_interval_s / 4))
-        hard_exit(code)
+        return code
 
     def dump_stacks(self, why: str) -> Path:
         """Append every thread's Python stack to <run_dir>/stacks/rank<R>.txt, with this
