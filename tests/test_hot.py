@@ -32,6 +32,7 @@ def _run(
     *extra: str,
     worker: tuple[str, ...] = (),
     watchdog: dict[str, float] | None = None,
+    snapshot: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     argv = [*extra, "--nproc-per-node", str(nproc), "--run-dir", str(out / "run")]
     argv += ["--monitor-interval", "0.05"]
@@ -42,7 +43,8 @@ def _run(
     argv += ["--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run")]
     env = {"RESILIENT_WATCHDOG": json.dumps({**WATCHDOG, **(watchdog or {})})}
     if "--hot-recovery" in extra:  # a snapshot every step: a kill at step 5 loses none
-        env["RESILIENT_SNAPSHOT"] = json.dumps({"enabled": True, "every_steps": 1})
+        snap = {"enabled": True, "every_steps": 1, **(snapshot or {})}
+        env["RESILIENT_SNAPSHOT"] = json.dumps(snap)
     launcher = Launcher()
     try:
         code, _, err = launcher.run(run_cmd(*argv), timeout=150, env=env)
@@ -77,6 +79,18 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     for n in (2, 3):
         out = tmp_path_factory.mktemp(f"golden{n}")
         code, err = _run(out, n, [])
+        assert code == 0, err[-3000:]
+        digests[n] = _digest(out)
+    return digests
+
+
+@pytest.fixture(scope="module")
+def golden_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """The same with FSDP2 (each rank holds only its shards)."""
+    digests = {}
+    for n in (2, 3):
+        out = tmp_path_factory.mktemp(f"golden_fsdp{n}")
+        code, err = _run(out, n, [], worker=("--fsdp",))
         assert code == 0, err[-3000:]
         digests[n] = _digest(out)
     return digests
@@ -217,3 +231,74 @@ def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
     assert first == second  # rank 0 kept its process
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
     assert not _events(tmp_path, "recovery.cold")
+
+
+@pytest.mark.parametrize(("nproc", "victim", "buddy"), [(2, 1, 0), (3, 0, 1)])
+def test_a_killed_fsdp2_rank_is_restored_from_its_buddys_replica(
+    golden_fsdp: dict[int, str], tmp_path: Path, nproc: int, victim: int, buddy: int
+) -> None:
+    """FSDP2: the victim's shards exist nowhere else but in the replica its buddy received
+    after each snapshot (runtime/replica.py). The replacement gets them from the buddy; the
+    survivors restore their own; the run ends bitwise equal to the fault-free one."""
+    code, err = _run(
+        tmp_path,
+        nproc,
+        [f"kill@rank={victim},step=5,phase=forward"],
+        "--hot-recovery",
+        worker=("--fsdp",),
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden_fsdp[nproc]
+    formed = {int(e["rank"]): e for e in _events(tmp_path, "recovery.hot.formed")}
+    assert sorted(formed) == list(range(nproc))
+    assert all(e["sharded"] for e in formed.values())
+    # step 5's replica may still have been on its way when the kill came: one step more
+    (to_step,) = {e["to_step"] for e in formed.values()}
+    assert to_step in (4, 5), formed
+    assert formed[victim]["survivor"] is False and formed[victim]["from_rank"] == buddy
+    inits = _inits(tmp_path)
+    assert all(inits[r][0] == inits[r][1] for r in range(nproc) if r != victim)
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+    assert not _events(tmp_path, "recovery.cold")
+
+
+def test_a_kill_during_replication_falls_back_to_the_replica_before(
+    golden_fsdp: dict[int, str], tmp_path: Path
+) -> None:
+    """Rank 1 dies while its snapshot of step 5 goes to its buddy (rank 2): the headers
+    crossed, no tensor did. Rank 2 holds a complete replica of step 4 only, so every rank goes
+    back to 4 (one step lost), and the run still ends bitwise equal."""
+    code, err = _run(
+        tmp_path, 3, ["kill@rank=1,step=5,phase=replicate"], "--hot-recovery", worker=("--fsdp",)
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden_fsdp[3]
+    failed = _events(tmp_path, "snapshot.replica_failed")
+    assert {int(e["rank"]) for e in failed} >= {2} and {e["step"] for e in failed} == {5}
+    formed = {int(e["rank"]): e for e in _events(tmp_path, "recovery.hot.formed")}
+    assert {e["to_step"] for e in formed.values()} == {4}
+    assert formed[1]["from_rank"] == 2
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+
+
+def test_fsdp2_without_replicas_says_why_and_loads_from_storage(
+    golden_fsdp: dict[int, str], tmp_path: Path
+) -> None:
+    """replicas=0: the lost rank's shards are gone with it. The new generation says so and
+    loads the newest durable checkpoint (step 4) in the same processes; bitwise equal."""
+    code, err = _run(
+        tmp_path,
+        2,
+        ["kill@rank=1,step=6,phase=forward"],
+        "--hot-recovery",
+        worker=("--fsdp", "--save-every", "4"),
+        snapshot={"replicas": 0},
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden_fsdp[2]
+    assert not _events(tmp_path, "recovery.hot.formed")
+    (cold,) = [e for e in _events(tmp_path, "recovery.cold") if e.get("rank") == 0]
+    assert "replicas=0" in cold["reason"], cold
+    resumed = [e for e in _events(tmp_path, "runtime.resume") if e.get("from_checkpoint")]
+    assert {int(e["step"]) for e in resumed} == {4}
+    assert not _events(tmp_path, "snapshot.replica")  # no replication was set up

@@ -3,10 +3,26 @@ restore that puts back exactly the state of the snapshot's step."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from resilient.checkpoint._torch_compat import no_init_step
+from resilient.checkpoint.state import state_digest
 from resilient.errors import ConfigError
 from resilient.runtime.dist import DistContext
+from resilient.runtime.replica import is_sharded, localize, rehydrate
 from resilient.runtime.snapshot import SnapshotConfig, Snapshots, StepCounter
 from tests.trainee import Trainee
 
@@ -53,3 +69,55 @@ def test_step_counter_rewinds() -> None:
         if s == 4 and seen.count(4) == 1:
             c.rewind(3)
     assert seen == [2, 3, 4, 3, 4, 5]
+
+
+def test_a_shard_crosses_to_a_new_mesh_bit_for_bit_and_a_misfit_is_refused(
+    tmp_path: Path,
+) -> None:
+    """What a hot recovery carries of FSDP2 state: shards without their mesh (localize), made
+    DTensors again on the new model's mesh (rehydrate). One real gloo rank."""
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+
+        def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            fully_shard(m)
+            return m, torch.optim.AdamW(m.parameters(), lr=0.1)
+
+        old, opt = build()
+        old(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sd = {"model": get_model_state_dict(old), "optim": get_optimizer_state_dict(old, opt)}
+        shards = localize(sd)
+        flat = [v for v in shards["model"].values()] + [
+            t for s in shards["optim"]["state"].values() for t in s.values()
+        ]
+        assert not any(isinstance(v, DTensor) for v in flat)
+        assert is_sharded(shards)
+
+        new, opt2 = build()
+        back = rehydrate(shards, new)
+        assert all(isinstance(v, DTensor) for v in back["model"].values())
+        set_model_state_dict(new, back["model"])
+        with no_init_step(opt2):
+            set_optimizer_state_dict(new, opt2, back["optim"])
+        assert state_digest(new, opt2) == state_digest(old, opt)
+
+        name = next(iter(shards["model"]))
+        wrong = {**shards, "model": dict(shards["model"])}
+        wrong["model"][name] = {**shards["model"][name]}
+        wrong["model"][name]["__resilient_shard__"] = torch.zeros(1)
+        with pytest.raises(ValueError, match="a different sharding"):
+            rehydrate(wrong, new)
+        with pytest.raises(ValueError, match="no sharded parameter"):
+            rehydrate(shards, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicas_must_be_zero_or_one() -> None:
+    with pytest.raises(ConfigError, match="replicas must be 0 or 1"):
+        SnapshotConfig(enabled=True, replicas=2)

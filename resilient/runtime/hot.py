@@ -42,13 +42,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
 import torch.distributed as dist
 
 from resilient import events as ev
 from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, ENV_HOT, hot_store_prefix, int_env
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
+from resilient.runtime.replica import localize, recv_state, rehydrate, send_state
 
 if TYPE_CHECKING:
     from resilient.runtime.runtime import Runtime
@@ -111,6 +111,12 @@ class _Carry:
     """The step whose body was running when the loss was seen."""
     lost_save: int | None
     """The step of this rank's durable save that the loss interrupted (did not commit)."""
+    sharded: bool
+    """The state is sharded (FSDP2): a replacement needs its buddy's replica."""
+    ward: int | None
+    """The rank whose replica this rank holds (sharded state only)."""
+    replica: dict[int, dict[str, Any]]
+    """Snapshot step -> the ward's state dict at that step (localized)."""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -145,7 +151,8 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
     t0 = time.monotonic()
     gen = generation() + 1
     snaps = rt.snapshots
-    held = snaps.held_buffers()
+    # DTensors would not survive their mesh's process groups: keep their shards
+    held = {s: localize(b) for s, b in snaps.held_buffers().items()}
     log.warning(
         ev.RECOVERY_HOT_DETECT,
         step=rt.watchdog.progress.step,
@@ -157,7 +164,8 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
     if not held or store is None:
         _cold(rt, "no in-memory snapshot on this rank yet" if not held else "no store")
     if not rt.abandon(drain_s=_DRAIN_S):
-        _cold(rt, f"an in-flight async save did not finish within {_DRAIN_S:g} s")
+        _cold(rt, f"an in-flight async save or replica did not finish within {_DRAIN_S:g} s")
+    replicas = snaps.replicas if snaps.sharded else None
     _carry = _Carry(
         generation=gen,
         steps=sorted(held),
@@ -167,6 +175,9 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
         reason=str(exc)[:300],
         step=rt.watchdog.progress.step,
         lost_save=rt.lost_save,
+        sharded=snaps.sharded,
+        ward=replicas.ward if replicas is not None and replicas.ward >= 0 else None,
+        replica=replicas.held() if replicas is not None else {},
         timings={"teardown_s": time.monotonic() - t0},
     )
     raise HotRestart(gen, str(exc)[:200])
@@ -224,59 +235,6 @@ def await_generation() -> int:
     os._exit(int(ExitCode.PEER_LOST))
 
 
-# ---------------------------------------------------------------- state, point to point
-class _Slot:
-    """Where a tensor goes in the structure sent ahead of the tensors themselves."""
-
-    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-
-def _send_state(sd: dict[str, Any], dst: int, group: Any) -> None:
-    """Send a state dict of CPU tensors to `dst`: its structure (tensors replaced by slots)
-    as one object, then each tensor as it is, with no pickling of the bytes (pickling 100 MB
-    of state took 0.6 s; raw sends run at the link's speed)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach().contiguous())
-            return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-        if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return type(obj)(strip(v) for v in obj)
-        return obj
-
-    dist.send_object_list([strip(sd)], dst=dst, group=group)
-    for t in tensors:
-        if t.numel():  # the receiver knows an empty tensor's shape already
-            dist.send(t, dst=dst, group=group)
-
-
-def _recv_state(src: int, group: Any) -> dict[str, Any]:
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=group)
-    slots: list[tuple[_Slot, torch.Tensor]] = []
-
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, _Slot):
-            t = torch.empty(obj.shape, dtype=obj.dtype)
-            slots.append((obj, t))
-            return t
-        if isinstance(obj, dict):
-            return {k: fill(v) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return type(obj)(fill(v) for v in obj)
-        return obj
-
-    sd = fill(box[0])
-    for _, t in sorted(slots, key=lambda st: st[0].index):
-        if t.numel():
-            dist.recv(t, src=src, group=group)
-    return dict(sd)
-
-
 # ---------------------------------------------------------------- every rank of the new generation
 @dataclass(frozen=True)
 class Resumed:
@@ -298,42 +256,79 @@ def resume(rt: Runtime) -> Resumed | None:
     t0 = time.monotonic()
     carry, _carry = _carry, None
     store = rt.ctx.base_store
+    replica: dict[int, bytes] = {}
     if carry is not None:
-        mine = {"steps": carry.steps, "survivor": True, "at": carry.step, "lost": carry.lost_save}
-    else:  # the replacement: the steps its lost predecessor left a replica of
+        mine = {
+            "steps": carry.steps,
+            "survivor": True,
+            "at": carry.step,
+            "lost": carry.lost_save,
+            "sharded": carry.sharded,
+            "ward": carry.ward,
+            "ward_steps": sorted(carry.replica),
+        }
+    else:  # the replacement: the steps its lost predecessor left a replica of in the store
         replica = _get_replica(store, rt.rank) if store is not None else {}
         mine = {"steps": sorted(replica), "survivor": False, "at": None, "lost": None}
     every: list[Any] = [None] * rt.world_size
     dist.all_gather_object(every, mine, group=rt.ctx.control_group)
-    common = set(every[0]["steps"])
-    for other in every[1:]:
-        common &= set(other["steps"])
     survivors = [r for r, m in enumerate(every) if m["survivor"]]
+    sharded = any(every[r]["sharded"] for r in survivors)
+    # where each replacement's state comes from: with DDP any survivor holds the model and
+    # optimizer state and the store the per-rank blob; sharded state only on the buddy
+    source: dict[int, int] = {}
+    restorable: dict[int, set[int]] = {}
+    for r, m in enumerate(every):
+        if m["survivor"]:
+            restorable[r] = set(m["steps"])
+        elif sharded:
+            holders = [s for s in survivors if every[s]["ward"] == r]
+            source[r] = holders[0] if holders else -1
+            restorable[r] = set(every[holders[0]]["ward_steps"]) if holders else set()
+        else:
+            source[r] = survivors[0] if survivors else -1
+            restorable[r] = set(m["steps"])
+    common = set.intersection(*restorable.values()) if restorable else set()
     target = max(common) if common and survivors else None
     if target is None:
         if rt.rank == 0:
+            orphans = [r for r, src in source.items() if src < 0]
             log.error(
                 ev.RECOVERY_COLD,
-                reason="no snapshot step every rank can restore",
-                held={str(r): m["steps"] for r, m in enumerate(every)},
+                reason=(
+                    "sharded state, and no rank keeps a replica of another's "
+                    "(snapshot replicas=0): a lost rank's shards are gone"
+                    if sharded and all(every[s]["ward"] is None for s in survivors)
+                    else f"the replica of rank(s) {orphans} was lost with them (their buddy too)"
+                    if sharded and orphans
+                    else "no snapshot step every rank can restore"
+                ),
+                held={str(r): sorted(steps) for r, steps in restorable.items()},
             )
         return None
-    src = survivors[0]
     if carry is not None:
         sd = carry.buffers[target]
-        if rt.rank == src:  # the replicated state for each replacement, point to point
-            shared = {k: v for k, v in sd.items() if not k.startswith("rank")}
-            for r, m in enumerate(every):
-                if not m["survivor"]:
-                    _send_state(shared, r, rt.ctx.control_group)
+        for r, src in source.items():  # point to point, to each replacement
+            if src != rt.rank:
+                continue
+            if sharded:  # the ward's whole state, kept for it
+                send_state(carry.replica[target], r, rt.ctx.control_group)
+            else:  # the replicated model and optimizer state; the store has the rest
+                shared = {k: v for k, v in sd.items() if not k.startswith("rank")}
+                send_state(shared, r, rt.ctx.control_group)
     else:
-        sd = _recv_state(src, rt.ctx.control_group)
-        sd[f"rank{rt.rank}"] = replica[target]
+        sd = recv_state(source[rt.rank], rt.ctx.control_group)
+        if not sharded:
+            sd[f"rank{rt.rank}"] = replica[target]
     transfer_s = time.monotonic() - t0
-    rt.state.apply(sd, rank=rt.rank)
+    try:
+        rt.state.apply(rehydrate(sd, rt.state.model), rank=rt.rank)
+    except ValueError as e:  # a shard that does not fit this rank's parameters
+        _cold(rt, f"the snapshot of step {target} does not fit the model here: {e}")
     del sd
     if carry is not None:
         carry.buffers.clear()
+        carry.replica.clear()
     lost = sorted({m["lost"] for m in every if m["lost"] is not None})
     # a lost save past the target is made again by the replay when the step policy saves there
     catch_up = any(s <= target or not rt.saves_on_schedule(s) for s in lost)
@@ -342,7 +337,8 @@ def resume(rt: Runtime) -> Resumed | None:
         "steps_lost": max(int(every[r]["at"]) for r in survivors) - target,
         "generation": generation(),
         "survivor": carry is not None,
-        "from_rank": src,
+        "from_rank": source.get(rt.rank, rt.rank),
+        "sharded": sharded,
         "transfer_s": round(transfer_s, 4),
         "restore_s": round(time.monotonic() - t0, 4),
         "lost_saves": lost,

@@ -51,6 +51,7 @@ from resilient.runtime.loader_workers import shield_workers
 from resilient.runtime.loops import Loops
 from resilient.runtime.preempt import PreemptConfig, Preempted, PreemptionWatch
 from resilient.runtime.progress import ProgressLog
+from resilient.runtime.replica import BuddyReplicas
 from resilient.runtime.snapshot import SnapshotConfig, Snapshots
 from resilient.runtime.watchdog import Watchdog, exit_now
 
@@ -234,6 +235,8 @@ class Runtime(Loops):
             # a lost peer: re-run the script in place from the snapshots (runtime/hot.py)
             store = self.ctx.base_store
             self.snapshots.replicate = lambda held: hot.put_replica(store, self.rank, held)
+            if snap.replicas:  # sharded snapshots also go to a buddy (runtime/replica.py)
+                self.snapshots.replicas = BuddyReplicas(self.ctx, timeout_s=config.side_timeout_s)
             self.guards.hot = lambda exc: hot.restart(self, exc)
         # resilient preemption: signals become a stop at an agreed step (runtime/preempt.py)
         self.preemption = PreemptionWatch(
@@ -433,6 +436,9 @@ class Runtime(Loops):
         threading.Thread(target=drain, name="resilient-drain", daemon=True).start()
         if not drained.wait(drain_s):
             return False
+        replicas = self.snapshots.replicas  # its exchange fails at once on a lost peer
+        if replicas is not None and not replicas.close(drain_s):
+            return False
         if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
             self.lost_save = self._saved_step
         with contextlib.suppress(BaseException):
@@ -550,6 +556,8 @@ class Runtime(Loops):
             _current = None
         with self.watchdog.phase(Phase.FINISH):
             self.checkpoints.close()
+            if self.snapshots.replicas is not None:  # every rank ends the same exchange
+                self.snapshots.replicas.wait()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -5,8 +5,10 @@ it would hold into host memory: its model and optimizer shards (DTensor shards s
 no collective), the common state (step, scheduler, extras) and its per-rank state (RNG, data
 position). Two buffers: the newest complete snapshot stays intact while the next is copied
 into the other one, so a failure during a copy still has a complete snapshot to go back to.
-Snapshots are local to the rank (no replica yet): they cover failures inside a live process,
-a Python exception, not a lost process.
+Snapshots are local to the rank: they cover failures inside a live process (a Python
+exception). A lost process is covered under hot recovery (runtime/hot.py): DDP state is on
+every rank anyway, and sharded (FSDP2) snapshots are also sent to a buddy rank
+(runtime/replica.py).
 
 Rollback. When the guard's in-place agreement (runtime/guard.py, DDP micro-batches) finds
 that a rank raised, every rank agrees on the newest snapshot step all ranks hold (one
@@ -38,12 +40,14 @@ import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from resilient.checkpoint import TrainState
 from resilient.envvars import ENV_SNAPSHOT, json_object_env
 from resilient.errors import ConfigError
 from resilient.log import get_logger
 from resilient.runtime.dist import DistContext
+from resilient.runtime.replica import BuddyReplicas
 
 __all__ = ["ENV_SNAPSHOT", "SnapshotConfig", "Snapshots", "StepCounter"]
 
@@ -71,6 +75,11 @@ class SnapshotConfig:
     track(); more is a ConfigError there, never an out-of-memory kill mid-run."""
     max_retries_per_step: int = 1
     """Rollbacks for a failure of the same rank at the same step; one more goes cold."""
+    replicas: int = 1
+    """Under hot recovery, copies of each sharded (FSDP2) snapshot kept on another rank (its
+    buddy: runtime/replica.py), so a lost rank's shards survive it; costs two more buffers of
+    the ward's size. 0: local only, and a lost FSDP2 rank goes cold. DDP state needs none:
+    every rank holds it."""
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:
@@ -81,6 +90,8 @@ class SnapshotConfig:
             raise ConfigError(
                 f"snapshot memory_fraction must be in (0, 1], got {self.memory_fraction}"
             )
+        if self.replicas not in (0, 1):
+            raise ConfigError(f"snapshot replicas must be 0 or 1, got {self.replicas}")
         if self.max_retries_per_step < 0:
             raise ConfigError(
                 f"snapshot max_retries_per_step must be >= 0, got {self.max_retries_per_step}"
@@ -208,6 +219,14 @@ class Snapshots:
         """Set by the Runtime under hot recovery: called with {step: per-rank blob} of the
         steps held after each snapshot (runtime/hot.py keeps them where a replacement
         finds them)."""
+        self.replicas: BuddyReplicas | None = None
+        """Set by the Runtime under hot recovery (replicas=1): sends each sharded snapshot
+        to this rank's buddy in the background (runtime/replica.py)."""
+        self.sharded = False
+        """The tracked model holds DTensors (FSDP2): its shards exist on this rank only."""
+        self.copies = 2
+        """Buffers of this rank's snapshot size held here: its own two, and under hot
+        recovery of sharded state the ward's two."""
 
     @property
     def enabled(self) -> bool:
@@ -219,13 +238,18 @@ class Snapshots:
         if not self.enabled:
             return
         size = _estimate(state, self.ctx.rank)
-        need = 2 * size
+        self.sharded = state.model is not None and any(
+            isinstance(p, DTensor) for p in state.model.parameters()
+        )
+        copies = self.copies = 4 if self.sharded and self.replicas is not None else 2
+        need = copies * size
+        what = "two copies" if copies == 2 else "four copies, two of them its ward's replica"
         avail = int(psutil.virtual_memory().available)
         allowed = int(self.config.memory_fraction * avail)
         if need > allowed:
             raise ConfigError(
                 f"in-memory snapshots need {need / 2**20:.1f} MiB of host memory on rank "
-                f"{self.ctx.rank} (two copies of {size / 2**20:.1f} MiB), more than "
+                f"{self.ctx.rank} ({what} of {size / 2**20:.1f} MiB), more than "
                 f"memory_fraction={self.config.memory_fraction} of the "
                 f"{avail / 2**20:.1f} MiB available: turn snapshots off "
                 "(snapshot={'enabled': False}), shard the state over more ranks, or raise "
@@ -235,7 +259,7 @@ class Snapshots:
         self._log.info(
             "snapshot.memory",
             bytes_per_copy=size,
-            copies=2,
+            copies=copies,
             total_bytes=need,
             available_bytes=avail,
             every_steps=self.config.every_steps or "adaptive",
@@ -288,12 +312,16 @@ class Snapshots:
         if step in self._steps or not _optimizer_ready(self._state):
             return
         t0 = time.perf_counter()
+        if self.replicas is not None:  # the older buffer may still be on its way to the buddy
+            self.replicas.wait()
         slot = 0 if self._newest != 0 else 1
         self._steps[slot] = -1  # incomplete until the copy is done
         live = self._state.to_state_dict(step=step, rank=self.ctx.rank)
         self._buf[slot] = _copy(self._buf[slot], live)
         self._steps[slot] = step
         self._newest = slot
+        if self.replicas is not None and self.sharded:
+            self.replicas.send(step, self._buf[slot] or {})  # in the background
         if self.replicate is not None:
             key = f"rank{self.ctx.rank}"
             self.replicate(
@@ -302,7 +330,9 @@ class Snapshots:
         self.copy_s = time.perf_counter() - t0
         self._copy_s = [*self._copy_s[-(_WINDOW - 1) :], self.copy_s]
         if self._newest >= 0 and self.bytes and (size := _nbytes(self._buf[slot])) > self.bytes:
-            self._log.info("snapshot.memory", bytes_per_copy=size, copies=2, measured=True)
+            self._log.info(
+                "snapshot.memory", bytes_per_copy=size, copies=self.copies, measured=True
+            )
             self.bytes = size
 
     @property
