@@ -9,6 +9,9 @@ A fault spec is `KIND@key=value,...`:
     kill@rank=0,step=6,phase=optimizer       SIGKILL itself
     kill@rank=1,step=9,phase=snapshot        SIGKILL itself inside the in-memory snapshot
                                              taken after step 9, before it is complete
+    kill@rank=1,step=9,phase=replicate       SIGKILL itself while the snapshot of step 9
+                                             goes to its buddy (sharded state under hot
+                                             recovery), between the header and the tensors
     oom_exit@rank=1,step=5,phase=forward     exit at once with the OOM exit code (a lost
                                              process, not an exception)
     slow@rank=2,phase=forward,seconds=0.2    sleep that long every step (a straggler)
@@ -77,7 +80,7 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(KINDS)}")
         from resilient.runtime.heartbeat import Phase
 
-        if self.phase != SNAPSHOT:  # not a phase: inside Snapshots.take (see install)
+        if self.phase not in (SNAPSHOT, REPLICATE):  # not phases: see install
             Phase.parse(self.phase)  # raises on an unknown phase name
 
     def matches(self, rank: int, restart: int, step: int, phase: str, generation: int = 0) -> bool:
@@ -174,10 +177,14 @@ def parse(spec: str) -> Fault:
 SNAPSHOT = "snapshot"
 """A pseudo-phase: the fault fires inside the in-memory snapshot of step `step`, after the
 copy into its buffer and before the buffer is marked complete."""
+REPLICATE = "replicate"
+"""A pseudo-phase: the fault fires in the background exchange of the snapshot of step `step`
+with the buddy (runtime/replica.py), after the headers crossed and before any tensor did."""
 _installed: list[Fault] = []
 _original: Any = None
 _generation = [0]
 _original_take: Any = None
+_original_swap: Any = None
 
 
 def install(faults: list[Fault]) -> None:
@@ -231,11 +238,40 @@ def _wrap_snapshots(rank: int, restart: int) -> None:
 
     snapshot.Snapshots.take = take_  # type: ignore[method-assign]
     snapshot._copy = copy_
+    _wrap_replicas(rank, restart)
+
+
+def _wrap_replicas(rank: int, restart: int) -> None:
+    """Faults with phase=replicate fire inside `BuddyReplicas._swap` (the replica thread),
+    when the structure of the tensors to come is known on both sides: the buddy is then
+    waiting for tensors that never come."""
+    global _original_swap
+    from resilient.runtime import replica
+
+    swap, fill = replica.BuddyReplicas._swap, replica._fill
+    _original_swap = (swap, fill)
+    due: list[tuple[Fault, int]] = []
+
+    def swap_(self: Any, step: int, *args: Any) -> Any:
+        gen = _generation[0]
+        due[:] = [(f, step) for f in _installed if f.matches(rank, restart, step, REPLICATE, gen)]
+        try:
+            return swap(self, step, *args)
+        finally:
+            due.clear()
+
+    def fill_(*args: Any, **kwargs: Any) -> Any:
+        for f, step in list(due):
+            f.fire(rank, step, REPLICATE)
+        return fill(*args, **kwargs)
+
+    replica.BuddyReplicas._swap = swap_  # type: ignore[method-assign,assignment]
+    replica._fill = fill_
 
 
 def uninstall() -> None:
-    global _original, _original_take
-    from resilient.runtime import snapshot
+    global _original, _original_take, _original_swap
+    from resilient.runtime import replica, snapshot
     from resilient.runtime.heartbeat import Progress
 
     if _original is not None:
@@ -244,4 +280,7 @@ def uninstall() -> None:
     if _original_take is not None:
         snapshot.Snapshots.take, snapshot._copy = _original_take  # type: ignore[method-assign]
         _original_take = None
+    if _original_swap is not None:
+        replica.BuddyReplicas._swap, replica._fill = _original_swap  # type: ignore[method-assign]
+        _original_swap = None
     _installed.clear()

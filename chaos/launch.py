@@ -73,6 +73,8 @@ def _spec(p: Planned) -> str:
         kind, extra = "raise", ",times=2"
     elif kind == "kill_during_snapshot":
         kind, phase = "kill", "snapshot"
+    elif kind == "kill_during_replication":
+        kind, phase = "kill", "replicate"
     where = f"rank={f.rank},step={f.at_step},phase={phase}"
     return f"--fault={kind}@{where},restart={p.restart},generation={p.generation}{extra}"
 

@@ -62,8 +62,19 @@ FAULT_KINDS = {
     "snapshot after step `at_step` (hot mode takes one every step)",
     "kill_with_buddy": "SIGKILL a worker and its buddy (the next rank) at once: hot recovery "
     "must fall back to cold",
+    "kill_during_replication": "one worker SIGKILLs itself while its snapshot after step "
+    "`at_step` goes to its buddy (FSDP2 under hot recovery): the buddy's replica of it is "
+    "incomplete",
 }
-IN_PROCESS = {"raise", "oom", "hang", "raise_twice", "oom_exit", "kill_during_snapshot"}
+IN_PROCESS = {
+    "raise",
+    "oom",
+    "hang",
+    "raise_twice",
+    "oom_exit",
+    "kill_during_snapshot",
+    "kill_during_replication",
+}
 """Installed inside the ranks by `python -m chaos.inject`, not sent from outside."""
 PREEMPTIONS = {"sigterm", "sigterm_rank"}
 """End the launch with ExitCode.PREEMPTED; the runner launches the same command again."""
@@ -73,7 +84,13 @@ S3_ONLY = {"storage_errors", "storage_latency"}
 TWO_HOSTS = {"node_loss"}
 """Need `hosts = 2`; a two-host scenario has only these."""
 _PHASES = ("data", "forward", "backward", "optimizer", "step")
-HOT_ONLY = {"raise_twice", "oom_exit", "kill_during_snapshot", "kill_with_buddy"}
+HOT_ONLY = {
+    "raise_twice",
+    "oom_exit",
+    "kill_during_snapshot",
+    "kill_with_buddy",
+    "kill_during_replication",
+}
 """Kinds of hot mode that the cold draw leaves out, so a seed's cold schedules stay as
 they were before hot mode existed."""
 LOST_PROCESS = {
@@ -82,6 +99,7 @@ LOST_PROCESS = {
     "oom_exit",
     "kill_during_snapshot",
     "kill_with_buddy",
+    "kill_during_replication",
     "hang",
     "sigstop",
 }
@@ -165,13 +183,22 @@ class Scenario:
     """The whole faulty run must end within this."""
     hot: bool = False
     """Hot mode: snapshots every step, the DDP recipe steps through rt.micro_batches, and
-    `resilient run --hot-recovery` where it exists. Only HOT_KINDS; each fault's recovery
-    (hot or cold, from the events) must be the one `expected_recovery` names."""
+    `resilient run --hot-recovery` where it exists. Only HOT_KINDS, and with the FSDP2
+    recipe only LOST_PROCESS (an exception there is not rolled back in place); each fault's
+    recovery (hot or cold, from the events) must be the one `expected_recovery` names."""
     faults: list[Fault] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.hot and self.recipe != "train_ddp.py":
-            raise ValueError(f"{self.name}: hot mode runs train_ddp.py (FSDP2 goes cold)")
+        kinds = {f.kind for f in self.faults}
+        if self.hot and self.recipe not in ("train_ddp.py", "train_fsdp.py"):
+            raise ValueError(f"{self.name}: hot mode runs train_ddp.py or train_fsdp.py")
+        if self.hot and self.recipe == "train_fsdp.py" and kinds - LOST_PROCESS:
+            raise ValueError(
+                f"{self.name}: hot mode with FSDP2 takes only lost processes "
+                f"{sorted(LOST_PROCESS)}, got {sorted(kinds - LOST_PROCESS)}"
+            )
+        if "kill_during_replication" in kinds and self.recipe != "train_fsdp.py":
+            raise ValueError(f"{self.name}: only sharded state (train_fsdp.py) is replicated")
         if self.hot and {f.kind for f in self.faults} - HOT_KINDS:
             raise ValueError(
                 f"{self.name}: hot mode takes only {sorted(HOT_KINDS)}, got "
@@ -290,7 +317,7 @@ def generate(
 def _draw_hot(
     rng: random.Random, name: str, steps: int, save_every: int, max_faults: int, lost: bool
 ) -> Scenario:
-    kinds = sorted(HOT_KINDS if lost else HOT_KINDS - LOST_PROCESS)
+    kinds = sorted((HOT_KINDS if lost else HOT_KINDS - LOST_PROCESS) - {"kill_during_replication"})
     n = rng.randint(1, max_faults)
     at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
     faults = [
@@ -298,8 +325,20 @@ def _draw_hot(
         for s in at
     ]
     storage = "s3" if rng.random() < 0.25 else "local"
+    # half of the draws that only lose processes run FSDP2 (its shards come from the buddy's
+    # replica), and half of their kills inside a snapshot come during its replication
+    recipe = "train_ddp.py"
+    if lost and all(f.kind in LOST_PROCESS for f in faults) and rng.random() < 0.5:
+        recipe = "train_fsdp.py"
+        faults = [
+            dataclasses.replace(f, kind="kill_during_replication")
+            if f.kind == "kill_during_snapshot" and rng.random() < 0.5
+            else f
+            for f in faults
+        ]
     return Scenario(
         name=name,
+        recipe=recipe,
         steps=steps,
         save_every=save_every,
         storage=storage,

@@ -12,7 +12,15 @@ from chaos.__main__ import SCENARIOS
 from chaos.launch import golden
 from chaos.plan import plan
 from chaos.runner import run_scenario
-from chaos.scenario import FAULT_KINDS, HOT_ONLY, Fault, Scenario, expected_recovery, generate
+from chaos.scenario import (
+    FAULT_KINDS,
+    HOT_ONLY,
+    LOST_PROCESS,
+    Fault,
+    Scenario,
+    expected_recovery,
+    generate,
+)
 
 
 def test_scenario_toml_round_trip(tmp_path: Path):
@@ -34,6 +42,14 @@ def test_scenario_toml_round_trip(tmp_path: Path):
         ({"name": "x", "storage": "nfs"}, "storage must be local or s3"),
         ({"name": "x", "fault": [{"kind": "raise", "phase": "lunch"}]}, "phase must be one of"),
         ({"name": "x", "fault": [{"kind": "node_loss"}]}, "need hosts = 2"),
+        (
+            {"name": "x", "hot": True, "recipe": "train_fsdp.py", "fault": [{"kind": "raise"}]},
+            "with FSDP2 takes only lost processes",
+        ),
+        (
+            {"name": "x", "hot": True, "fault": [{"kind": "kill_during_replication"}]},
+            "only sharded state",
+        ),
         (
             {"name": "x", "hosts": 2, "nproc": 1, "fault": [{"kind": "node_loss", "rank": 0}]},
             "on a rank of the second host",
@@ -260,6 +276,12 @@ def test_hot_mode_is_drawn_from_its_own_generator_and_keeps_the_cold_schedules()
             for f in sc.faults}  # fmt: skip
     assert {"kill", "oom_exit", "kill_during_snapshot", "kill_with_buddy"} <= lost
     assert {"kill_during_save", "hang", "sigstop"} <= lost
+    # half of the lost-process-only draws run FSDP2, restored from the buddy's replica
+    fsdp = [sc for sc in generate(2026, 200, hot_fraction=0.5, hot_lost=True)
+            if sc.hot and sc.recipe == "train_fsdp.py"]  # fmt: skip
+    assert len(fsdp) >= 10
+    assert all(f.kind in LOST_PROCESS for sc in fsdp for f in sc.faults)
+    assert "kill_during_replication" in {f.kind for sc in fsdp for f in sc.faults}
 
 
 def test_a_hot_draw_puts_faults_after_the_save_a_kill_during_save_waits_for():
@@ -297,9 +319,10 @@ def test_hot_mode_expects_a_recovery_per_fault(kind: str, phase: str, expected: 
     assert expected_recovery(f, hot=False) == "cold"
 
 
-def test_hot_mode_refuses_fsdp_and_cold_only_kinds():
-    with pytest.raises(ValueError, match=r"hot mode runs train_ddp\.py"):
-        Scenario(name="h", hot=True, recipe="train_fsdp.py")
+def test_hot_mode_refuses_in_process_faults_with_fsdp_and_cold_only_kinds():
+    with pytest.raises(ValueError, match="with FSDP2 takes only lost processes"):
+        Scenario(name="h", hot=True, recipe="train_fsdp.py", faults=[Fault(kind="oom")])
+    Scenario(name="h", hot=True, recipe="train_fsdp.py", faults=[Fault(kind="kill")])
     with pytest.raises(ValueError, match="hot mode takes only"):
         Scenario(name="h", hot=True, faults=[Fault(kind="corrupt")])
     # an OOM retried in place leaves a doubled split: the fault-free run must use it too
