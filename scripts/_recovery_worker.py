@@ -2,7 +2,8 @@
 `resilient run`. Appends {"attempt", "rank", "step", "t"} per completed step to
 <record>/rank<R>.jsonl, and with --agree N first times N back-to-back preemption checks.
 --micro runs the step through rt.micro_batches (the guard's in-place agreement, which an
-in-place rollback needs); --fault SPEC arms a chaos fault (chaos/faults.py) in this process."""
+in-place rollback needs); --fault SPEC arms a chaos fault (chaos/faults.py) in this process;
+--fsdp shards the model with FSDP2 instead of DDP."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import resilient
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("--record", required=True)
     p.add_argument("--micro", action="store_true", help="the step through rt.micro_batches")
     p.add_argument("--fault", action="append", default=[], help="a chaos fault spec")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (each rank one shard) for DDP")
     args = p.parse_args()
     if args.fault:
         from chaos.faults import install, parse
@@ -40,7 +43,12 @@ def main() -> None:
     torch.manual_seed(0)
     w = args.width
     model: nn.Module = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))
-    if rt.ctx.distributed:
+    if args.fsdp:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    elif rt.ctx.distributed:
         model = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rt.track(model=model, optimizer=opt)

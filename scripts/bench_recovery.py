@@ -228,11 +228,12 @@ def _exception_recovery(base: Path, width: int, hot: bool, fault_step: int) -> d
     return out
 
 
-def _hot_kill(base: Path, width: int, kill_at: int = 20) -> dict[str, Any]:
-    """kill -9 of rank 1 under --hot-recovery at step `kill_at`; kill to the first step after."""
+def _hot_kill(base: Path, width: int, kill_at: int = 20, fsdp: bool = False) -> dict[str, Any]:
+    """kill -9 of rank 1 under --hot-recovery at step `kill_at`; kill to the first step after.
+    With `fsdp` the replacement's shards come from its buddy's replica."""
     cmd = _cmd(base, width, 10.0, "--steps", str(kill_at + 15), "--save-every=5", "--sync")
     cmd[4:4] = ["--hot-recovery", "--monitor-interval=0.05"]
-    cmd += ["--sleep=0.05", "--micro"]
+    cmd += ["--sleep=0.05", "--fsdp" if fsdp else "--micro"]
     base.mkdir(parents=True, exist_ok=True)
     run_dir, rec = base / "run", base / "rec"
     env = {**_env(), "RESILIENT_SNAPSHOT": json.dumps({"enabled": True})}
@@ -284,10 +285,16 @@ def _per_step(rec: Path) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(ts))
 
 
-def _snapshot_overhead(base: Path, width: int, steps: int, pairs: int) -> dict[str, Any]:
+def _snapshot_overhead(
+    base: Path, width: int, steps: int, pairs: int, fsdp: bool = False
+) -> dict[str, Any]:
     """Fault-free launches, snapshots off / every step / adaptive, interleaved `pairs` times;
-    the median seconds per step of each, and each variant's ratio to the off run beside it."""
+    the median seconds per step of each, and each variant's ratio to the off run beside it.
+    With `fsdp` the snapshot variants run under --hot-recovery, so each snapshot also goes to
+    the buddy (its replication is part of the cost)."""
     worker = ["--steps", str(steps), "--save-every=100000", "--sleep=0"]
+    if fsdp:
+        worker.append("--fsdp")
     variants = {"off": {"enabled": False}, "every_step": {"enabled": True, "every_steps": 1}}
     variants["adaptive"] = {"enabled": True}
     per: dict[str, list[float]] = {k: [] for k in variants}
@@ -296,7 +303,10 @@ def _snapshot_overhead(base: Path, width: int, steps: int, pairs: int) -> dict[s
     for i in range(pairs):
         for name, snap in variants.items():
             d = base / f"overhead{i}-{name}"
-            _launch_to_end(d, _cmd(d, width, 10.0, *worker), snap)
+            cmd = _cmd(d, width, 10.0, *worker)
+            if fsdp and snap["enabled"]:
+                cmd[4:4] = ["--hot-recovery"]
+            _launch_to_end(d, cmd, snap)
             per[name].append(_per_step(d / "rec"))
             if name == "adaptive":  # the copies' own timing, as the ranks measured it
                 for e in _events(d / "run", "snapshot.interval"):
@@ -360,6 +370,12 @@ def main() -> None:
         metavar="PAIRS",
         help="only the snapshot overhead, PAIRS interleaved rounds (JSON last line)",
     )
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 instead of DDP: the kills (cold and hot, the replacement restored from its "
+        "buddy's replica) and the overhead with replication; no in-place rollback (DDP only)",
+    )
     args = ap.parse_args()
     width = args.width or (512 if args.quick else 2048)
     kills = args.kills or (1 if args.quick else 3)
@@ -367,7 +383,7 @@ def main() -> None:
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_recovery_"))
     base.mkdir(parents=True, exist_ok=True)
     if args.overhead_only:
-        got = _snapshot_overhead(base, width, 60, args.overhead_only)
+        got = _snapshot_overhead(base, width, 60, args.overhead_only, args.fsdp)
         print(json.dumps({"bench": "snapshot_overhead", "width": width, **got}))
         return
     run_dir, rec, ckpt = base / "run", base / "rec", base / "ckpt"
@@ -385,6 +401,7 @@ def main() -> None:
         "--sync",
         "--sleep=0.05",
         "--agree=200",
+        *(["--fsdp"] if args.fsdp else []),
     ]  # fmt: skip
     print(f"bench_recovery: width {width}, {kills} kill(s), grace {grace:g} s, in {base}")
     log = (base / "launcher.log").open("wb")
@@ -437,13 +454,17 @@ def main() -> None:
     )
     total = statistics.median(c["total_s"] for c in cycles)
     # hot path: in-place rollback of an exception, against its cold path, same model
-    hot_ex = _exception_recovery(base / "exception-hot", width, True, 12)
-    cold_ex = _exception_recovery(base / "exception-cold", width, False, 12)
-    hot_kills = [_hot_kill(base / f"kill-hot-{i}", width) for i in range(kills)]
+    hot_ex = cold_ex = None  # the in-place rollback of an exception is DDP's only
+    if not args.fsdp:
+        hot_ex = _exception_recovery(base / "exception-hot", width, True, 12)
+        cold_ex = _exception_recovery(base / "exception-cold", width, False, 12)
+    hot_kills = [_hot_kill(base / f"kill-hot-{i}", width, fsdp=args.fsdp) for i in range(kills)]
     hot = statistics.median(c["total_s"] for c in hot_kills)
     for i, c in enumerate(hot_kills):
         print(f"kill -9 #{i + 1}, hot: " + ", ".join(f"{k} {v}" for k, v in c.items()))
-    overhead = _snapshot_overhead(base, width, 30 if args.quick else 60, 1 if args.quick else 2)
+    overhead = _snapshot_overhead(
+        base, width, 30 if args.quick else 60, 1 if args.quick else 2, args.fsdp
+    )
     print(f"exception, in-place rollback: {hot_ex}")
     print(f"exception, cold restart: {cold_ex}")
     print(f"snapshot overhead: {overhead}")
@@ -471,6 +492,7 @@ def main() -> None:
     result = {
         "bench": "recovery",
         "quick": args.quick,
+        "fsdp": args.fsdp,
         "checkpoint_mb": round(size / 1e6, 2),
         "kill9": cycles,
         "kill9_total_s": total,
@@ -490,8 +512,10 @@ def main() -> None:
         "hot_steps_lost": max(c["steps_lost"] for c in hot_kills),
         "exception_hot": hot_ex,
         "exception_cold": cold_ex,
-        "exception_hot_over_cold": round(hot_ex["total_s"] / cold_ex["total_s"], 3),
-        "exception_hot_over_floor": round(hot_ex["total_s"] / floor1, 3),
+        "exception_hot_over_cold": round(hot_ex["total_s"] / cold_ex["total_s"], 3)
+        if hot_ex and cold_ex
+        else None,
+        "exception_hot_over_floor": round(hot_ex["total_s"] / floor1, 3) if hot_ex else None,
         "snapshot_overhead": overhead["snapshot_overhead"],
         "snapshot_overhead_adaptive": overhead["snapshot_overhead_adaptive"],
         "snapshot_overhead_runs": overhead,
