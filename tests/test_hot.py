@@ -302,3 +302,28 @@ def test_fsdp2_without_replicas_says_why_and_loads_from_storage(
     resumed = [e for e in _events(tmp_path, "runtime.resume") if e.get("from_checkpoint")]
     assert {int(e["step"]) for e in resumed} == {4}
     assert not _events(tmp_path, "snapshot.replica")  # no replication was set up
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
+    golden_fsdp: dict[int, str], tmp_path: Path, phase: str
+) -> None:
+    """FSDP2 in a plain loop: rank 1 sleeps as it enters the forward (or the backward); rank 0
+    blocks in FSDP2's next all-gather, in the same phase. The progress ticks run ahead of
+    FSDP2's own hooks (runtime/instrument.py), so rank 0 is one tick further and rank 1 alone
+    is named: a hot verdict, not a cold one for both (chaos found both named before)."""
+    code, err = _run(
+        tmp_path,
+        2,
+        [f"hang@rank=1,step=5,phase={phase}"],
+        "--hot-recovery",
+        worker=("--fsdp", "--mode", "none"),
+        watchdog={"timeout_s": 3.0, "heartbeat_timeout_s": 3.0},
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden_fsdp[2]
+    (hang,) = _events(tmp_path, "hang.detected")
+    assert hang["ranks"] == [1] and hang["hot"] is True, hang
+    formed = _events(tmp_path, "recovery.hot.formed")
+    assert sorted(e["rank"] for e in formed) == [0, 1]
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
