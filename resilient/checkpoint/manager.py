@@ -36,7 +36,7 @@ from resilient.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from resilient.checkpoint.state import TrainState
+from resilient.checkpoint.state import TrainState, Unpacked, pack
 from resilient.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -147,13 +147,17 @@ class CheckpointManager:
         blocking = not self.config.async_save if blocking is None else blocking
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
-        sd = state.to_state_dict(step=step, rank=self.rank)
-        built = time.perf_counter() - t0
         if blocking:
+            sd = state.to_state_dict(step=step, rank=self.rank)
             self._write_and_commit(sd, step, t0, staged_at=t0)
             return
-        stager = self._get_stager()
-        staged = stager.stage(sd)
+        # The blobs (step, scheduler, RNG, data position) are captured here and torch.save'd
+        # on the save's thread: only the tensors go through the stager.
+        sd = state.capture(step=step, rank=self.rank)
+        built = time.perf_counter() - t0
+        blobs = {k: v for k, v in sd.items() if isinstance(v, Unpacked)}
+        tensors = {k: v for k, v in sd.items() if k not in blobs}
+        staged = self._get_stager().stage(tensors)
         if not isinstance(staged, Future):  # synchronous stager: already a copy
             done: Future[Any] = Future()
             done.set_result(staged)
@@ -161,13 +165,22 @@ class CheckpointManager:
         self._staged = staged
         blocked = time.perf_counter() - t0
         self._pending = self._get_executor().submit(
-            self._async_job, staged, step, t0, blocked, built
+            self._async_job, staged, blobs, list(sd), step, t0, blocked, built
         )
 
     def _async_job(
-        self, staged: Future[Any], step: int, t0: float, blocked: float, built: float
+        self,
+        staged: Future[Any],
+        blobs: dict[str, Unpacked],
+        order: builtins.list[str],
+        step: int,
+        t0: float,
+        blocked: float,
+        built: float,
     ) -> int | None:
-        sd = staged.result()
+        packed = pack(blobs)  # while the stager copies the tensors
+        copies = staged.result()
+        sd = {k: packed[k] if k in packed else copies[k] for k in order}
         staged_at = time.perf_counter()
         self._log.info(
             "ckpt.save.staged",
