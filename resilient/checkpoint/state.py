@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from resilient.checkpoint._state_dicts import StateDicts
 from resilient.checkpoint._torch_compat import no_init_step
 
 __all__ = [
@@ -107,6 +108,10 @@ class TrainState:
     """Different on each rank: the dataloader position."""
     rng: bool = True
     """Save and restore per-rank RNG states (needed for bit-exact resume with dropout)."""
+    keep_names: bool = True
+    """Keep DCP's parameter names between saves instead of resolving them on every save
+    (checked against the live model and optimizer at each use: checkpoint/_state_dicts.py)."""
+    _dicts: StateDicts = field(default_factory=StateDicts, init=False, repr=False, compare=False)
 
     def optimizer_is_fresh(self) -> bool:
         """The tracked optimizer has no state yet (it has never stepped)."""
@@ -136,9 +141,9 @@ class TrainState:
     def _state_dict(self, *, step: int, rank: int, later: bool) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         if self.model is not None:
-            sd["model"] = get_model_state_dict(self.model)
-            if self.optimizer is not None:
-                sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+            sd["model"], osd = self._dicts.get(self.model, self.optimizer, keep=self.keep_names)
+            if osd is not None:
+                sd["optim"] = osd
         common = {"step": step, **{k: v.state_dict() for k, v in self.common.items()}}
         per_rank = {k: v.state_dict() for k, v in self.per_rank.items()}
         sd["common"] = _blob(common, later=later)
