@@ -86,6 +86,8 @@ class CheckpointManager:
         # Steps that failed verification in load_latest: a later save of the same step
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
+        if config.async_save:
+            self._start_threads()
 
     # ---------------------------------------------------------------- discovery
     def check_writable(self) -> None:
@@ -509,6 +511,14 @@ class CheckpointManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt")
         return self._executor
+
+    def _start_threads(self) -> None:
+        """Start the save's and the stager's threads now: started by the first save, each
+        took the GIL from the loop for up to a switch interval (5 ms) while starting."""
+        self._get_executor().submit(lambda: None).result()
+        started = self._get_stager().stage({})
+        if isinstance(started, Future):
+            started.result()
 
     def _get_stager(self) -> DefaultStager:
         if self._stager is None:
