@@ -31,6 +31,7 @@ from resilient import (
     state_digest,
 )
 from resilient.checkpoint.manifest import step_dir
+from resilient.checkpoint.state import Unpacked, _unpack, pack
 from resilient.checksum import checksum_of
 from resilient.storage import RetryPolicy
 
@@ -291,6 +292,38 @@ def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
     assert manager(tmp_path / "ckpt").load_latest(TrainState(model=model2, optimizer=opt2)) == 1
     assert state_digest(model2, opt2) == want
+
+
+def test_captured_blobs_do_not_change_with_training() -> None:
+    """An async save packs its blobs later, on its own thread: what is packed is the state
+    at the save, whatever the loop does to the scheduler meanwhile."""
+    t = Trainee(0)
+    t.train(3)
+    extra = {"seen": [1, 2]}
+
+    class Live:  # hands out its live object, as a scheduler does its lists
+        def state_dict(self) -> dict[str, Any]:
+            return extra
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    state = TrainState(
+        model=t.model, optimizer=t.opt, common={"scheduler": t.sched}, per_rank={"live": Live()}
+    )
+    want_sched = t.sched.state_dict()
+    want_sched["base_lrs"] = list(want_sched["base_lrs"])
+    captured = state.capture(step=3, rank=0)
+    assert isinstance(captured["common"], Unpacked) and isinstance(captured["rank0"], Unpacked)
+    t.train(2)  # the scheduler steps
+    t.sched.base_lrs[0] = 99.0  # and a list it handed out changes in place
+    extra["seen"].append(3)
+    sd = pack(captured)
+    assert list(sd) == ["model", "optim", "common", "rank0"]
+    common, per_rank = _unpack(sd["common"]), _unpack(sd["rank0"])
+    assert common["step"] == 3 and common["scheduler"] == want_sched
+    assert per_rank["live"] == {"seen": [1, 2]} and "__rng__" in per_rank
+    assert set(sd) == set(state.to_state_dict(step=3, rank=0))
 
 
 # ------------------------------------------------------------------------------ commit protocol

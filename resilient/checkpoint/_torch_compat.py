@@ -7,7 +7,8 @@ writer threads, and loading into a fresh optimizer without the zero-gradient ste
 set_optimizer_state_dict runs first. Each is taken here and nowhere else, and checked when
 this module is imported: if a torch release renames or removes one, importing resilient
 fails at once with an error naming the torch version and the feature, never later with a
-silent default.
+silent default. One exception, 6. below: a name that only makes saves cheaper turns that
+saving off when it is missing (logged), and DCP's public path is taken instead.
 
 Tested with torch 2.13.
 """
@@ -15,6 +16,7 @@ Tested with torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +29,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from resilient._torch_check import TorchCompatError, missing
 
 __all__ = [
+    "FQNS_UNAVAILABLE",
+    "fqns_of",
     "metadata_path",
     "no_init_step",
     "no_zip_crc32_in_this_thread",
@@ -169,3 +173,23 @@ def no_init_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         if optimizer.state.get(params[0]) is placeholder:  # the load did not happen
             del optimizer.state[params[0]]
+
+
+# --- 6. the name DCP gives a model's parameter or state-dict key --------------------------------
+# get_model_state_dict and get_optimizer_state_dict resolve every name with _get_fqns on each
+# call; resilient/checkpoint/_state_dicts.py resolves them once and keeps the names. Only an
+# optimisation: without it (FQNS_UNAVAILABLE says why) every call goes to DCP's public path.
+FQNS_UNAVAILABLE: str | None = None
+try:
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+except ImportError as e:  # pragma: no cover
+    FQNS_UNAVAILABLE = f"torch {torch.__version__} has no state_dict._get_fqns ({e})"
+else:
+    if list(inspect.signature(_get_fqns).parameters)[:2] != ["model", "name"]:  # pragma: no cover
+        FQNS_UNAVAILABLE = f"torch {torch.__version__}: _get_fqns no longer takes (model, name)"
+
+
+def fqns_of(model: torch.nn.Module, name: str) -> set[str]:
+    """The FQNs DCP gives the parameter or state-dict key `name` of `model` (one, except for
+    an FSDP1 flat parameter)."""
+    return set(_get_fqns(model, name))

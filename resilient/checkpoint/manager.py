@@ -36,7 +36,7 @@ from resilient.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from resilient.checkpoint.state import TrainState
+from resilient.checkpoint.state import TrainState, Unpacked, pack
 from resilient.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -86,6 +86,8 @@ class CheckpointManager:
         # Steps that failed verification in load_latest: a later save of the same step
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
+        if config.async_save:
+            self._start_threads()
 
     # ---------------------------------------------------------------- discovery
     def check_writable(self) -> None:
@@ -147,13 +149,17 @@ class CheckpointManager:
         blocking = not self.config.async_save if blocking is None else blocking
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
-        sd = state.to_state_dict(step=step, rank=self.rank)
-        built = time.perf_counter() - t0
         if blocking:
+            sd = state.to_state_dict(step=step, rank=self.rank)
             self._write_and_commit(sd, step, t0, staged_at=t0)
             return
-        stager = self._get_stager()
-        staged = stager.stage(sd)
+        # The blobs (step, scheduler, RNG, data position) are captured here and torch.save'd
+        # on the save's thread: only the tensors go through the stager.
+        sd = state.capture(step=step, rank=self.rank)
+        built = time.perf_counter() - t0
+        blobs = {k: v for k, v in sd.items() if isinstance(v, Unpacked)}
+        tensors = {k: v for k, v in sd.items() if k not in blobs}
+        staged = self._get_stager().stage(tensors)
         if not isinstance(staged, Future):  # synchronous stager: already a copy
             done: Future[Any] = Future()
             done.set_result(staged)
@@ -161,13 +167,22 @@ class CheckpointManager:
         self._staged = staged
         blocked = time.perf_counter() - t0
         self._pending = self._get_executor().submit(
-            self._async_job, staged, step, t0, blocked, built
+            self._async_job, staged, blobs, list(sd), step, t0, blocked, built
         )
 
     def _async_job(
-        self, staged: Future[Any], step: int, t0: float, blocked: float, built: float
+        self,
+        staged: Future[Any],
+        blobs: dict[str, Unpacked],
+        order: builtins.list[str],
+        step: int,
+        t0: float,
+        blocked: float,
+        built: float,
     ) -> int | None:
-        sd = staged.result()
+        packed = pack(blobs)  # while the stager copies the tensors
+        copies = staged.result()
+        sd = {k: packed[k] if k in packed else copies[k] for k in order}
         staged_at = time.perf_counter()
         self._log.info(
             "ckpt.save.staged",
@@ -496,6 +511,14 @@ class CheckpointManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt")
         return self._executor
+
+    def _start_threads(self) -> None:
+        """Start the save's and the stager's threads now: started by the first save, each
+        took the GIL from the loop for up to a switch interval (5 ms) while starting."""
+        self._get_executor().submit(lambda: None).result()
+        started = self._get_stager().stage({})
+        if isinstance(started, Future):
+            started.result()
 
     def _get_stager(self) -> DefaultStager:
         if self._stager is None:

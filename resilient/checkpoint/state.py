@@ -8,10 +8,13 @@ Layout (every top-level key is one DCP entry):
   keeps a single copy of anything saved under a shared key
   (docs/internals.md#g-dcp-replicated-keys).
 Blobs are torch.save'd bytes read back with weights_only=True: plain data and tensors only.
+An async save packs them on its own thread: `capture` takes what goes in them at call time,
+`pack` makes the bytes later.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import random
 from collections.abc import Callable
@@ -28,9 +31,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from resilient.checkpoint._state_dicts import StateDicts
 from resilient.checkpoint._torch_compat import no_init_step
 
-__all__ = ["StatefulLike", "TrainState", "capture_rng", "restore_rng", "state_digest"]
+__all__ = [
+    "StatefulLike",
+    "TrainState",
+    "Unpacked",
+    "capture_rng",
+    "pack",
+    "restore_rng",
+    "state_digest",
+]
 
 
 class StatefulLike(Protocol):
@@ -46,6 +58,18 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Unpacked:
+    """A blob's content, captured but not yet torch.save'd (see `TrainState.capture`)."""
+
+    obj: Any
+
+
+def pack(sd: dict[str, Any]) -> dict[str, Any]:
+    """`sd` with every Unpacked entry torch.save'd into bytes, keys in the same order."""
+    return {k: _pack(v.obj) if isinstance(v, Unpacked) else v for k, v in sd.items()}
 
 
 def capture_rng() -> dict[str, Any]:
@@ -84,6 +108,10 @@ class TrainState:
     """Different on each rank: the dataloader position."""
     rng: bool = True
     """Save and restore per-rank RNG states (needed for bit-exact resume with dropout)."""
+    keep_names: bool = True
+    """Keep DCP's parameter names between saves instead of resolving them on every save
+    (checked against the live model and optimizer at each use: checkpoint/_state_dicts.py)."""
+    _dicts: StateDicts = field(default_factory=StateDicts, init=False, repr=False, compare=False)
 
     def optimizer_is_fresh(self) -> bool:
         """The tracked optimizer has no state yet (it has never stepped)."""
@@ -102,16 +130,25 @@ class TrainState:
 
     def to_state_dict(self, *, step: int, rank: int) -> dict[str, Any]:
         """The DCP state dict for a save after `step` steps. Tensors are live references."""
+        return self._state_dict(step=step, rank=rank, later=False)
+
+    def capture(self, *, step: int, rank: int) -> dict[str, Any]:
+        """As `to_state_dict`, but the "common" and "rank<R>" entries may be `Unpacked`: copies
+        of what goes in them, taken now, that training cannot change; `pack()` makes the bytes,
+        on any thread. Model and optimizer tensors are live references, as there."""
+        return self._state_dict(step=step, rank=rank, later=True)
+
+    def _state_dict(self, *, step: int, rank: int, later: bool) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         if self.model is not None:
-            sd["model"] = get_model_state_dict(self.model)
-            if self.optimizer is not None:
-                sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
-        sd["common"] = _pack({"step": step, **{k: v.state_dict() for k, v in self.common.items()}})
+            sd["model"], osd = self._dicts.get(self.model, self.optimizer, keep=self.keep_names)
+            if osd is not None:
+                sd["optim"] = osd
+        common = {"step": step, **{k: v.state_dict() for k, v in self.common.items()}}
         per_rank = {k: v.state_dict() for k, v in self.per_rank.items()}
-        if self.rng:
-            per_rank["__rng__"] = capture_rng()
-        sd[f"rank{rank}"] = _pack(per_rank)
+        sd["common"] = _blob(common, later=later)
+        # capture_rng() makes new objects: they go in after the copy, not through it
+        sd[f"rank{rank}"] = _blob(per_rank, later=later, rng=capture_rng() if self.rng else None)
         return sd
 
     def load_template(self, *, rank: int, has_rank_blob: bool) -> dict[str, Any]:
@@ -146,6 +183,19 @@ class TrainState:
             if self.rng and "__rng__" in per_rank:
                 restore_rng(per_rank["__rng__"])
         return int(common["step"])
+
+
+def _blob(obj: dict[str, Any], *, later: bool, rng: Any = None) -> Any:
+    """A blob's bytes now, or (`later`) an Unpacked deep copy: state_dict() may hand out live
+    objects (a scheduler's lists, a loader's nested state) that training changes meanwhile."""
+    if later:
+        try:
+            obj = copy.deepcopy(obj)
+        except Exception:  # not copyable, though torch.save may manage: packed now
+            later = False
+    if rng is not None:
+        obj["__rng__"] = rng
+    return Unpacked(obj) if later else _pack(obj)
 
 
 class Extra:
