@@ -18,27 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from reshard_worker import build  # the same small model, DDP or FSDP2
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from resilient.checkpoint import CheckpointConfig, CheckpointManager, TrainState, state_digest
 from resilient.checkpoint.manifest import step_dir
-
-
-def build(seed: int, how: str) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
-    if how == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in (model[0], model[2], model[4]):
-            fully_shard(layer)
-        fully_shard(model)
-    else:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model)
-    return model
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
