@@ -184,14 +184,15 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         info["bit"] = scheduled.fired
     elif fault.kind == "disk_full":
         assert env.disk is not None
-        env.disk.fill()
+        disk = env.disk
+
+        def save_failed() -> dict[str, Any] | None:
+            disk.fill()  # again at each look: retention may have deleted a checkpoint since
+            return latest_event(run_dir, "ckpt.save.failed", None, lambda e: _epoch(e["ts"]) >= t)
+
         try:
             failed = wait_for(
-                lambda: latest_event(
-                    run_dir, "ckpt.save.failed", None, lambda e: _epoch(e["ts"]) >= t
-                ),
-                timeout=sc.timeout_s,
-                what="a save to fail on the full disk",
+                save_failed, timeout=sc.timeout_s, what="a save to fail on the full disk"
             )
         finally:
             env.disk.free()  # the operator frees space; the next attempt must save again

@@ -125,16 +125,25 @@ class SmallDisk:
         return self
 
     def fill(self) -> int:
-        """Take every free byte; returns how many."""
-        st = os.statvfs(self.path)
-        free = st.f_bavail * st.f_frsize
+        """Take every free byte, growing the filler file; returns how many it took now. In
+        pieces: one fallocate of all the free space fails whole, taking nothing, when a save
+        writes meanwhile (soak 2026, run 0199: the disk never filled, no save failed). Call it
+        again to take what a deletion freed since."""
         fd = os.open(self._filler, os.O_CREAT | os.O_WRONLY, 0o600)
+        took, piece = 0, 1 << 20
         try:
-            with contextlib.suppress(OSError):  # ENOSPC for the last block is fine
-                os.posix_fallocate(fd, 0, free)
+            size = os.fstat(fd).st_size
+            while piece >= 4096:
+                try:
+                    os.posix_fallocate(fd, size, piece)
+                except OSError:  # ENOSPC: smaller pieces for what is left
+                    piece //= 16
+                    continue
+                size += piece
+                took += piece
         finally:
             os.close(fd)
-        return free
+        return took
 
     def free(self) -> None:
         with contextlib.suppress(FileNotFoundError):

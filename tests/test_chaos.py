@@ -427,3 +427,26 @@ def test_lost_process_faults_fire_where_they_are_aimed(tmp_path: Path, spec, cod
     assert codes[0] != ExitCode.OK
     (fault,) = _chaos_records(tmp_path / "run")
     assert (fault["rank"], fault["step"], fault["phase"]) == (1, 3, phase)
+
+
+def test_a_small_disk_fills_to_the_last_block_and_again_after_a_deletion(tmp_path: Path):
+    """disk_full's filler takes every free byte in pieces, and takes again what a deletion
+    freed (one fallocate of all the free space took nothing when a save wrote meanwhile:
+    soak 2026, run 0199 waited 300 s for a save to fail)."""
+    from chaos.storage import SmallDisk, small_disk_unavailable
+
+    if (why := small_disk_unavailable()) is not None:
+        pytest.skip(why)
+    with SmallDisk(tmp_path / "disk", size_mib=8) as disk:
+        other = disk.path / "old-checkpoint"
+        other.write_bytes(b"x" * (2 << 20))
+        assert disk.fill() > 4 << 20
+        assert disk.info()["free_bytes"] < 64 << 10
+        with pytest.raises(OSError):  # a save meets ENOSPC
+            (disk.path / "new").write_bytes(b"y" * (1 << 20))
+        (disk.path / "new").unlink(missing_ok=True)
+        other.unlink()  # retention deletes an old checkpoint
+        assert disk.fill() >= (2 << 20) - (64 << 10)
+        assert disk.info()["free_bytes"] < 64 << 10
+        disk.free()
+        assert disk.info()["free_bytes"] > 6 << 20
