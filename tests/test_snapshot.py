@@ -112,6 +112,9 @@ def test_a_shard_crosses_to_a_new_mesh_bit_for_bit_and_a_misfit_is_refused(
         wrong["model"][name]["__resilient_shard__"] = torch.zeros(1)
         with pytest.raises(ValueError, match="a different sharding"):
             rehydrate(wrong, new)
+        wrong["model"][name] = {**shards["model"][name], "shape": (3, 3)}
+        with pytest.raises(ValueError, match="global shape"):
+            rehydrate(wrong, new)
         with pytest.raises(ValueError, match="no sharded parameter"):
             rehydrate(shards, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
     finally:

@@ -86,7 +86,12 @@ def rehydrate(sd: dict[str, Any], model: nn.Module | None) -> dict[str, Any]:
         if not isinstance(ref, DTensor):
             raise ValueError(f"snapshot shard {name!r} has no sharded parameter of that name here")
         local = shard[_SHARD]
-        if tuple(shard["shape"]) == tuple(ref.shape) and local.shape != ref.to_local().shape:
+        if tuple(shard["shape"]) != tuple(ref.shape):
+            raise ValueError(
+                f"snapshot shard {name!r}: global shape {tuple(shard['shape'])} where the "
+                f"parameter here is {tuple(ref.shape)}"
+            )
+        if local.shape != ref.to_local().shape:
             raise ValueError(
                 f"snapshot shard {name!r}: local shape {tuple(local.shape)} where this rank "
                 f"holds {tuple(ref.to_local().shape)} (a different sharding)"
@@ -255,12 +260,12 @@ class BuddyReplicas:
         mine: list[torch.Tensor] = []
         header = pickle.dumps((step, _strip(payload, mine)))
         n_in = torch.zeros(1, dtype=torch.int64)
-        _both(
+        _wait_all(
             dist.isend(torch.tensor([len(header)], dtype=torch.int64), dst=buddy, group=g),
             dist.irecv(n_in, src=ward, group=g),
         )
         h_in = torch.empty(int(n_in.item()), dtype=torch.uint8)
-        _both(
+        _wait_all(
             dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst=buddy, group=g),
             dist.irecv(h_in, src=ward, group=g),
         )
@@ -283,24 +288,19 @@ class BuddyReplicas:
             return t
 
         theirs = _fill(structure, make)
-        reqs = [dist.isend(t, dst=buddy, group=g) for t in mine if t.numel()]
-        reqs += [dist.irecv(t, src=ward, group=g) for t in made if t.numel()]
-        for r in reqs:
-            if r is not None:
-                r.wait()
+        _wait_all(
+            *[dist.isend(t, dst=buddy, group=g) for t in mine if t.numel()],
+            *[dist.irecv(t, src=ward, group=g) for t in made if t.numel()],
+        )
         return theirs
 
     def held(self) -> dict[int, dict[str, Any]]:
         """Step -> the ward's complete snapshot of it (localized)."""
         return {s: b for s, b in zip(self._steps, self._buf, strict=True) if s >= 0 and b}
 
-    def close(self, timeout: float) -> bool:
-        """Let the exchange in flight end (a lost peer fails it at once); False if it did not
-        within `timeout` (the group must then not be destroyed under it)."""
-        return self.wait(timeout)
 
-
-def _both(*reqs: Any) -> None:
+def _wait_all(*reqs: Any) -> None:
+    """Wait for each of these isend/irecv requests."""
     for r in reqs:
         if r is not None:
             r.wait()

@@ -436,8 +436,10 @@ class Runtime(Loops):
         threading.Thread(target=drain, name="resilient-drain", daemon=True).start()
         if not drained.wait(drain_s):
             return False
-        replicas = self.snapshots.replicas  # its exchange fails at once on a lost peer
-        if replicas is not None and not replicas.close(drain_s):
+        # the replica exchange in flight fails at once on a lost peer; its group must not be
+        # destroyed under it
+        replicas = self.snapshots.replicas
+        if replicas is not None and not replicas.wait(drain_s):
             return False
         if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
             self.lost_save = self._saved_step
