@@ -13,9 +13,9 @@ in rounds, the order rotated every round:
 - again: the same plain loop once more, an A/A control: its ratio to bare is the noise floor;
 - guard: inside rt.steps() (step accounting, the barrier every N), the body in
   `with rt.guard():`;
-- micro: as guard, the body through rt.micro_batches() (one agreement all-reduce a step on
-  the control group, started before the synced backward and waited for after it; RNG
-  snapshot).
+- micro: as guard, the body through rt.micro_batches() (RNG snapshot; the agreement folded
+  into DDP's gradient all-reduce, one reduced gradient element read after the synced
+  backward, and a vote on the control group only if it is not finite).
 
 All variants share one tracked DDP model and the heartbeat thread runs during all (it is
 per process), so two costs are counted apart and added: the thread's CPU seconds over the
@@ -29,8 +29,9 @@ comparison of process CPU time per step, far less (a rank waiting in a collectiv
 descheduled burns none), which shows the work added rather than the waits; the direct accounting
 times each added piece on its own, both ranks in step (step bookkeeping, the barrier / N,
 the guard, micro_batches with its agreement as the loop pays it (the machinery timed on its
-own with the vote's round trip taken out, plus the launch and the wait measured in the
-loop, where the backward hides the round trip), the step fingerprint: hashing the
+own with a backward of nothing and the agreement folded, its one-element read included, plus
+the agreement as measured in the loop; the same with a vote instead is reported too), the
+step fingerprint: hashing the
 first forward's inputs, the observed loss, its event), over the bare step time.
 Also reported: the hang monitor's CPU fraction fed 16,384 simulated ranks (no processes).
 """
@@ -141,10 +142,12 @@ def report(r: dict[str, Any]) -> None:
     print(f"(the step boundary as seen in the loop, with every collective there: {seen} ms;")
     print(f" the control-group all-reduce calls as seen in the loop: {r['agreement_seen_ms']} ms)")
     print(
-        f"micro_batches' agreement: launch + wait in the loop {r['vote_in_loop_ms']:.3f} ms "
-        f"(the wait after the backward {r['vote_wait_ms']:.3f} ms) "
-        f"(its round trip alone {r['vote_round_trip_ms']:.3f} ms, hidden by the backward); "
-        f"machinery with the round trip unhidden {r['micro_unhidden_ms']:.3f} ms"
+        f"micro_batches' agreement in the loop: {r['vote_in_loop_ms']:.4f} ms per step "
+        f"({r['agreement_folded_steps']} steps folded into the gradient all-reduce, read "
+        f"{r['fold_check_ms']:.4f} ms; {r['agreement_voted_steps']} with a vote, its wait "
+        f"after the backward {r['vote_wait_ms']:.3f} ms); a vote's round trip alone "
+        f"{r['vote_round_trip_ms']:.3f} ms; the machinery with a vote instead "
+        f"{r['micro_voted_ms']:.3f} ms"
     )
     print(
         f"CPU time per step, side by side (process CPU, waits excluded): guard "
@@ -301,8 +304,20 @@ def worker(args: argparse.Namespace) -> None:
         vote_wait.append(waited)
         vote_in_loop.append(getattr(self, "_bench_t", 0.0) + waited)
 
+    # folded into the gradient all-reduce (the default here): the read of one reduced
+    # gradient element after the synced backward is all the loop pays
+    fold_check: list[float] = []
+    gradients_finite = guard_mod._Attempt.gradients_finite
+
+    def timed_check(self: Any) -> bool:
+        t0 = time.perf_counter()
+        ok = gradients_finite(self)
+        fold_check.append(time.perf_counter() - t0)
+        return ok
+
     guard_mod._Attempt.launch = timed_launch  # type: ignore[method-assign]
     guard_mod._Attempt.finish = timed_finish  # type: ignore[method-assign]
+    guard_mod._Attempt.gradients_finite = timed_check  # type: ignore[method-assign]
 
     def run_block(
         name: str, n: int, times: list[float] | None, cpu: list[float] | None = None
@@ -345,7 +360,9 @@ def worker(args: argparse.Namespace) -> None:
     leaf = torch.zeros(1, requires_grad=True)
 
     def empty_micro() -> None:
-        # the machinery and a backward of nothing: the vote's round trip is not hidden here
+        # the machinery and a backward of nothing. With the model's gradients there, the
+        # agreement is the folded one, a one-element read; without them the read finds no
+        # gradient and the ranks vote (the vote's round trip, unhidden by any backward)
         x, y = batches[0]
         # the guard's machinery only: rt.micro_batches also hashes the batch for the step
         # fingerprint, which the fingerprint line below already counts once per step
@@ -389,14 +406,24 @@ def worker(args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     dist.all_reduce = all_reduce  # type: ignore[assignment]
     guard_mod._Attempt.launch, guard_mod._Attempt.finish = launch, finish  # type: ignore[method-assign]
-    vote_loop_ms = statistics.median(vote_in_loop) * 1000 if vote_in_loop else 0.0
+    guard_mod._Attempt.gradients_finite = gradients_finite  # type: ignore[method-assign]
+    # what the loop paid for the agreement per step: a vote's launch and wait where one was
+    # held, the one-element read where it was folded into the gradient all-reduce
+    in_loop = vote_in_loop + fold_check
+    vote_loop_ms = statistics.median(in_loop) * 1000 if in_loop else 0.0
+    fold_check_ms = statistics.median(fold_check) * 1000 if fold_check else 0.0
     vote_wait_ms = statistics.median(vote_wait) * 1000 if vote_wait else 0.0
     agree_seen_ms = statistics.median(agree_seen) * 1000 if agree_seen else 0.0
     # direct accounting of the added work, each piece timed on its own
     guard_ms = per_call(empty_guard) * 1000
-    micro_upper_ms = per_call(empty_micro) * 1000
+    micro_voted_ms = per_call(empty_micro) * 1000  # no gradients yet: a vote each call
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    # folded, as the loop runs it; plus the agreement as the loop paid it (this counts the
+    # one-element read twice: it costs more right after a real backward than here)
+    micro_ms = per_call(empty_micro) * 1000 + vote_loop_ms
+    opt.zero_grad(set_to_none=True)
     vote_rt_ms = per_call(vote_round_trip) * 1000
-    micro_ms = max(0.0, micro_upper_ms - vote_rt_ms) + vote_loop_ms
     boundary_ms = statistics.fmean(boundary) * 1000  # as seen, other agreements included
     wd = rt.watchdog
 
@@ -460,9 +487,12 @@ def worker(args: argparse.Namespace) -> None:
         "barrier_ms": round(barrier_ms, 4),
         "guard_ms": round(guard_ms, 4),
         "micro_machinery_ms": round(micro_ms, 4),
-        "micro_unhidden_ms": round(micro_upper_ms, 4),
+        "micro_voted_ms": round(micro_voted_ms, 4),
         "vote_round_trip_ms": round(vote_rt_ms, 4),
         "vote_in_loop_ms": round(vote_loop_ms, 4),
+        "agreement_folded_steps": len(fold_check),
+        "agreement_voted_steps": len(vote_in_loop),
+        "fold_check_ms": round(fold_check_ms, 4),
         "vote_wait_ms": round(vote_wait_ms, 4),
         "agreement_seen_ms": round(agree_seen_ms, 4),
     }

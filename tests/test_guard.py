@@ -118,9 +118,13 @@ def failures(run: Path) -> list[dict[str, Any]]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Fault-free runs whose split grows at step 3, as the retried runs' does."""
     out = {}
-    for name, splits in (("1to2", "3:2"), ("2to4", "0:2,3:4")):
+    for name, splits, *more in (
+        ("1to2", "3:2"),
+        ("2to4", "0:2,3:4"),
+        ("1to2-hook", "3:2", "--comm-hook"),
+    ):
         d = tmp_path_factory.mktemp(f"ref-{name}")
-        codes, _ = launch_ranks(d, [], *STEPS, "--splits", splits)
+        codes, _ = launch_ranks(d, [], *STEPS, "--splits", splits, *more)
         assert codes == [0, 0, 0]
         out[name] = digest(d)
     return out
@@ -129,18 +133,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("phase", "splits", "ref"),
-    [("forward", "", "1to2"), ("backward", "0:2", "2to4")],
+    ("phase", "splits", "ref", "hook"),
+    [
+        ("forward", "", "1to2", False),
+        ("backward", "0:2", "2to4", False),
+        ("forward", "", "1to2-hook", True),
+    ],
 )
 def test_ddp_oom_retry_is_bitwise_the_smaller_split(
-    tmp_path: Path, reference: dict[str, str], phase: str, splits: str, ref: str
+    tmp_path: Path, reference: dict[str, str], phase: str, splits: str, ref: str, hook: bool
 ) -> None:
     """An OOM on rank 1 at step 3 (in the forward of a whole batch; or at the end of the
     forward of the first of two micro-batches, while its peers run that micro-batch's
     no_sync backward and then the synced one): every rank retries the batch in twice as
     many micro-batches and the run ends bit-for-bit where a run that used that split from
-    step 3 on ends."""
+    step 3 on ends. With a Python comm hook (torch's all-reduce hook, whose rounding differs
+    from DDP's own reduction: its reference uses it too) the vote rides beside the backward
+    instead of being folded into it."""
     args = [*STEPS, "--splits", splits] if splits else STEPS
+    if hook:
+        args = [*args, "--comm-hook"]
     codes, _ = launch_ranks(tmp_path, [f"oom@rank=1,step=3,phase={phase}"], *args)
     run = tmp_path / "run"
     assert codes == [0, 0, 0], codes
@@ -148,13 +160,30 @@ def test_ddp_oom_retry_is_bitwise_the_smaller_split(
     assert (fail["rank"], fail["kind"], fail["step"], fail["phase"]) == (1, "oom", 3, phase)
     retry = latest_event(run, "oom.retry", rank=0)
     assert retry is not None and retry["failed_rank"] == 1 and retry["step"] == 3
-    # from the second batch on, the agreement rides beside the synced backward: rank 1
-    # joined its peers' gradient all-reduce with zeros (runtime/guard.py)
-    assert retry["agreed"] == "beside the backward"
+    # from the second batch on, rank 1 joined its peers' gradient all-reduce with NaN, and
+    # the agreement was folded into it: no vote unless the reduced gradients are not finite
+    # (runtime/guard.py); with a Python comm hook the vote rides beside the backward
+    assert retry["agreed"] == (
+        "beside the backward" if hook else "folded into the gradient all-reduce"
+    )
     first = 2 if splits else 1
     assert (retry["split_from"], retry["split_to"]) == (first, 2 * first)
     assert json.loads((run / SPLIT_FILE).read_text())["split"] == 2 * first
     assert digest(tmp_path) == reference[ref]
+
+
+@pytest.mark.timeout(120)
+def test_gradients_not_finite_by_themselves_are_not_a_failure(tmp_path: Path) -> None:
+    """Rank 0's loss is NaN at step 3: every rank's reduced gradients are NaN, as after a
+    failed rank's join, so every rank votes; nobody failed, so the step goes on, once."""
+    codes, _ = launch_ranks(tmp_path, [], *STEPS, "--nan-at", "3")
+    run = tmp_path / "run"
+    assert codes == [0, 0, 0], codes
+    seen = [e for e in events(run) if e.get("event") == "guard.nonfinite_gradients"]
+    assert sorted((e["rank"], e["step"]) for e in seen) == [(0, 3), (1, 3), (2, 3)]
+    unwanted = ("oom.retry", "guard.failure", "guard.agreed", "fault.detected")
+    assert not [e for e in events(run) if e.get("event") in unwanted]
+    assert (run / "final_digest.json").is_file()
 
 
 @pytest.mark.slow

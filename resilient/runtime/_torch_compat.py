@@ -4,11 +4,13 @@
   attributes that say what it does (`_has_rebuilt_buckets`, `_use_python_reducer`,
   `_delay_all_reduce_all_params`): torch has no public way to choose or keep a bucket layout,
   which exact resume needs (docs/internals.md#g-ddp-bucket-layout). Used by runtime/_ddp.py.
-- DDP's `_match_all_reduce_for_bwd_pass` (what its join hook calls for a rank that ran out
-  of data): one all-reduce of zeros per gradient bucket, in the reducer's order, through the
-  registered comm hook. The OOM guard lets a failed rank join its peers' gradient all-reduce
-  with it, so that their agreement rides beside the backward instead of before it
-  (runtime/guard.py).
+- The reducer's `_get_zeros_like_grad_buckets` and `_run_comm_hook` (what DDP's join hook,
+  `_match_all_reduce_for_bwd_pass`, runs for a rank that ran out of data): one all-reduce
+  per gradient bucket, in the reducer's order, through the registered comm hook. The OOM
+  guard lets a failed rank join its peers' gradient all-reduce with them, its buckets filled
+  with NaN, so that the healthy ranks learn of the failure from their own reduced gradients
+  (runtime/guard.py). DDP's `_comm_hooks` says whether a Python comm hook, which might not
+  carry a NaN through, is registered.
 - The text of the errors a collective raises when a peer is gone
   (docs/internals.md#g-dead-and-hung-peers): gloo raises a plain RuntimeError, not a
   DistError, for a closed connection, and only `monitored_barrier`'s message names a missing
@@ -33,6 +35,7 @@ __all__ = [
     "PEER_LOSS_MARKERS",
     "barrier_missing_ranks",
     "delays_all_reduce",
+    "has_python_comm_hook",
     "has_rebuilt_buckets",
     "is_peer_loss_message",
     "match_backward_all_reduce",
@@ -49,11 +52,9 @@ require_attrs(
     ("_push_all_rebuilt_params", "_rebuild_buckets", "_reset_state"),
     feature=_FEATURE,
 )
-require_attrs(
-    DistributedDataParallel,
-    ("_match_all_reduce_for_bwd_pass",),
-    feature="the OOM guard's agreement beside the backward (runtime/guard.py)",
-)
+_JOIN = "the OOM guard's agreement folded into the gradient all-reduce (runtime/guard.py)"
+require_attrs(dist.Reducer, ("_get_zeros_like_grad_buckets", "_run_comm_hook"), feature=_JOIN)
+require_self_attrs(DistributedDataParallel, ("_comm_hooks",), feature=_JOIN)
 require_self_attrs(
     DistributedDataParallel,
     ("_has_rebuilt_buckets", "_use_python_reducer", "_delay_all_reduce_all_params", "reducer"),
@@ -99,11 +100,24 @@ def reset_reducer_state(ddp: DistributedDataParallel) -> None:
     ddp.reducer._reset_state()
 
 
-def match_backward_all_reduce(ddp: DistributedDataParallel) -> None:
-    """Join the peers' gradient all-reduce of a synced backward with zero gradients, without
-    a backward of our own (one all-reduce per bucket, in the reducer's order, through the
-    registered comm hook; waits for all of them)."""
-    ddp._match_all_reduce_for_bwd_pass()
+def match_backward_all_reduce(ddp: DistributedDataParallel, fill: float = 0.0) -> None:
+    """Join the peers' gradient all-reduce of a synced backward with every gradient equal to
+    `fill`, without a backward of our own (one all-reduce per bucket, in the reducer's order,
+    through the registered comm hook; waits for all of them). DDP's join hook does the same
+    with zeros."""
+    works = []
+    for bucket in ddp.reducer._get_zeros_like_grad_buckets():
+        if fill != 0.0:
+            bucket.buffer().fill_(fill)  # the bucket's own storage, not a copy
+        works.append(ddp.reducer._run_comm_hook(bucket))
+    for work in works:
+        work.wait()
+
+
+def has_python_comm_hook(ddp: DistributedDataParallel) -> bool:
+    """A comm hook registered with `register_comm_hook` (DDP's built-in C++ hooks, which
+    all-reduce or cast the bucket, are not listed)."""
+    return bool(ddp._comm_hooks)
 
 
 # ---------------------------------------------------------------- error texts

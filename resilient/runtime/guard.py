@@ -21,21 +21,30 @@ Why this never deadlocks. A rank that raises must not wait where its peers canno
   started (its buffer broadcast comes first; micro-batches but the last run under no_sync;
   its one bucket rebuild is done at track() and after a reset, runtime/_ddp.py), and
   no_sync backwards hold none. The only gradient all-reduce is the last micro-batch's
-  backward. Every attempt holds exactly one agreement on every rank: an all_reduce(MAX) of
-  a status code on the control group. All OK: the step goes on. An OOM: every rank
+  backward. Every attempt agrees exactly once on every rank: through a vote, an
+  all_reduce(MAX) of a status code on the control group, or, folded into the gradient
+  all-reduce, through its result alone (below). All OK: the step goes on. An OOM: every rank
   restores the RNG and gradients and retries the same batch in twice as many micro-batches.
   Anything else, or the floor reached: every rank exits with the same code (or rolls back,
   runtime/snapshot.py). A failure *after* the agreement started (inside the synced
   backward) takes the store path above, since peers may be blocked in the all-reduce.
   Where the agreement happens:
-  - *Beside the backward* (the usual case, from a batch's second attempt on: once this
-    body was seen calling `mb.backward` on its last micro-batch, with DDP and
-    find_unused_parameters=False). Healthy ranks start the agreement asynchronously in
-    `mb.backward` and wait for it after the synced backward, so it costs a launch, not a
-    round trip. A failing rank, after its `with mb:` block (the failed forward's memory is
-    released by then), starts the same agreement and joins the backward's gradient
-    all-reduce with zeros (DDP's own join mechanism, runtime/_torch_compat.py); the
-    reduced gradients are then thrown away on every rank.
+  - *Folded into the gradient all-reduce* (the usual case on CPU, from a batch's second
+    attempt on: once this body was seen calling `mb.backward` on its last micro-batch, with
+    DDP, find_unused_parameters=False, CPU gradients and no Python comm hook). Healthy ranks
+    hold no vote of their own: a failing rank, after its `with mb:` block (the failed
+    forward's memory is released by then), joins the backward's gradient all-reduce with
+    every bucket filled with NaN (the reducer's own join mechanism,
+    runtime/_torch_compat.py), so every rank's reduced gradients are NaN. After the synced
+    backward each rank reads one element of one gradient: finite, the step goes on, at the
+    cost of that read. Not finite (a failure, or gradients that overflowed by themselves):
+    every rank, the failing one included, holds the vote, which tells the two apart; the
+    reduced gradients are thrown away on a retry.
+  - *Beside the backward* (the same, with gradients on an accelerator, where reading one
+    element would wait for the device, or with a Python comm hook, which might not carry a
+    NaN through): healthy ranks start the vote asynchronously in `mb.backward` and wait for
+    it after the synced backward, so it costs a launch, not a round trip. A failing rank
+    starts the same vote and joins the gradient all-reduce as above.
   - *Before the backward* (the first attempt of the first batch, other DDP settings): the
     agreement blocks in `mb.backward` before the synced backward runs, and a failing rank
     arrives from its `with mb:` exit. A body that never calls `mb.backward` agrees at
@@ -65,7 +74,11 @@ from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
 from resilient.runtime._ddp import reset_reducer
-from resilient.runtime._torch_compat import is_peer_loss_message, match_backward_all_reduce
+from resilient.runtime._torch_compat import (
+    has_python_comm_hook,
+    is_peer_loss_message,
+    match_backward_all_reduce,
+)
 from resilient.runtime.dist import DistContext
 from resilient.runtime.heartbeat import FLAG_FAILED, FLAG_OOM, Phase
 from resilient.runtime.watchdog import Watchdog, exit_now
@@ -123,10 +136,13 @@ class Guard:
         self._params: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = (
             weakref.WeakKeyDictionary()
         )
+        self._sentinels: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._beside_backward = False
         """The body was seen calling `mb.backward` on its last micro-batch (every rank runs
         the same body, so every rank learns it at the same agreed attempt): from then on the
-        agreement rides beside the synced backward (module doc)."""
+        agreement is folded into the synced backward, or rides beside it (module doc)."""
 
     def _trainable(self, model: nn.Module | None) -> list[torch.Tensor]:
         """The parameters whose gradients a retry restores. Walking the module tree costs
@@ -141,6 +157,29 @@ class Guard:
             params = [p for p in model.parameters() if p.requires_grad]
             self._params[model] = params
         return params
+
+    def _sentinel(self, model: nn.Module | None) -> torch.Tensor | None:
+        """The parameter whose reduced gradient carries a folded agreement (module doc), or
+        None where the agreement cannot be folded: gradients off the CPU (reading one would
+        wait for the device) or a Python comm hook (it might not carry a NaN through).
+        Every rank decides alike: DDP requires the same parameters and hooks on all."""
+        if not isinstance(model, DistributedDataParallel) or has_python_comm_hook(model):
+            return None
+        found = self._sentinels.get(model)
+        if found is None:
+            ignored = model.parameters_to_ignore
+            param = next(
+                (
+                    p
+                    for name, p in model.module.named_parameters()
+                    if p.requires_grad and p.numel() and name not in ignored
+                ),
+                None,
+            )
+            usable = param is not None and param.device.type == "cpu" and not param.is_sparse
+            found = [param] if usable and param is not None else []
+            self._sentinels[model] = found
+        return found[0] if found else None
 
     # ------------------------------------------------------------------ carried split
     def resume_split(self) -> int:
@@ -264,18 +303,27 @@ class Guard:
             and not model.find_unused_parameters
         )
         params = self._trainable(model)
+        sentinel = self._sentinel(model) if can_fold and self._beside_backward else None
         while True:
             k = max(1, min(self.split, n))
             chunks = [t.tensor_split(k) for t in tensors]
             grads_none = all(p.grad is None for p in params)
             rng = _rng_state()
-            att = _Attempt(self, k, n, model, in_place, beside=can_fold and self._beside_backward)
+            att = _Attempt(
+                self,
+                k,
+                n,
+                model,
+                in_place,
+                beside=can_fold and self._beside_backward,
+                sentinel=sentinel,
+            )
             for i in range(k):
                 part = tuple(c[i] for c in chunks)
                 yield MicroBatch(att, i, part, len(part[0]) / n)
                 if att.agreed or att.pending is not None:  # the last one, or this rank failed
                     break
-            if att.pending is not None:  # failed beside the backward: join the peers' backward
+            if att.pending is not None:  # failed, folded or beside: join the peers' backward
                 att.join_backward()
             elif not att.agreed:  # the body never called mb.backward: agree here
                 att.agree(_OK)
@@ -308,7 +356,7 @@ class Guard:
                 "split_from": k,
                 "split_to": self.split,
                 "micro_batch_size": math.ceil(n / self.split),
-                "agreed": "beside the backward" if att.beside else "before the backward",
+                "agreed": att.where,
             }
             if self.ctx.rank == 0:
                 self._log.warning("oom.retry", **fields)
@@ -351,6 +399,19 @@ class MicroBatch:
             scaled.backward()
             return
         att.synced_backward = True
+        if att.sentinel is not None:
+            att.agreed = True  # peers are in the gradient all-reduce: a failure from here
+            att.guard.watchdog.progress.enter(Phase.BACKWARD)  # on takes the store path
+            scaled.backward()
+            if att.gradients_finite():
+                att.outcome = _OK
+                return
+            att.agree(_OK)  # a failed rank's NaN, or gradients not finite by themselves
+            if att.outcome != _OK:
+                raise _Retry  # the reduced gradients include a failed rank's NaN: redo
+            g = att.guard
+            g._log.info("guard.nonfinite_gradients", step=g.watchdog.progress.step)
+            return
         if att.beside:
             att.launch(_OK)
             att.guard.watchdog.progress.enter(Phase.BACKWARD)
@@ -389,6 +450,7 @@ class _Attempt:
         in_place: bool,
         *,
         beside: bool = False,
+        sentinel: torch.Tensor | None = None,
     ) -> None:
         self.guard = guard
         self.k = k
@@ -397,6 +459,9 @@ class _Attempt:
         self.in_place = in_place
         self.beside = beside
         """Agree beside the synced backward rather than before it (module doc)."""
+        self.sentinel = sentinel
+        """Set: the agreement is folded into the synced backward; this parameter's reduced
+        gradient says whether any rank failed (module doc)."""
         self.agreed = False
         """The agreement has started on this rank (a failure after it takes the store path)."""
         self.pending: int | None = None
@@ -451,19 +516,40 @@ class _Attempt:
             return
         self.agree(_OOM if oom else _EXC)
 
+    @property
+    def where(self) -> str:
+        """Where this attempt's agreement happens, as the `oom.retry` event says it."""
+        if self.sentinel is not None:
+            return "folded into the gradient all-reduce"
+        return "beside the backward" if self.beside else "before the backward"
+
+    def gradients_finite(self) -> bool:
+        """The folded agreement's outcome as every rank reads it: one element of the reduced
+        gradient of the sentinel parameter (a failed rank's NaN reached every element)."""
+        assert self.sentinel is not None
+        grad = self.sentinel.grad
+        if grad is None:
+            return False  # the backward did not reach it: let the vote say what happened
+        return math.isfinite(grad[(0,) * grad.dim()].item())
+
     def join_backward(self) -> None:
-        """This rank failed beside the backward: agree, and join the peers' gradient
-        all-reduce with zeros, as a synced backward of its own would have."""
+        """This rank failed with the agreement folded into or beside the backward: join the
+        peers' gradient all-reduce with NaN, as a synced backward of its own would have, and
+        agree."""
         g = self.guard
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # the zero buckets must fit where the forward failed
-        self.launch(self.pending if self.pending is not None else _EXC)
+            torch.cuda.empty_cache()  # the buckets must fit where the forward failed
+        status = self.pending if self.pending is not None else _EXC
+        if self.sentinel is None:
+            self.launch(status)  # beside: the peers' vote is already under way
         g.watchdog.progress.enter(Phase.AGREE)
         assert isinstance(self.model, DistributedDataParallel)
         try:
-            match_backward_all_reduce(self.model)
+            match_backward_all_reduce(self.model, fill=math.nan)
         except RuntimeError as e:
             g.fail_fast(e)
+        if self.sentinel is not None:
+            self.launch(status)  # folded: the peers vote once they read the NaN
         self.finish()
 
     def agree(self, status: int) -> None:

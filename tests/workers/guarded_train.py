@@ -37,6 +37,18 @@ def main() -> None:
     p.add_argument(
         "--metric", action="store_true", help="all_reduce the loss after each step, unguarded"
     )
+    p.add_argument(
+        "--comm-hook",
+        action="store_true",
+        help="register torch's Python all-reduce comm hook on the DDP model",
+    )
+    p.add_argument(
+        "--nan-at",
+        type=int,
+        default=None,
+        help="rank 0's loss is NaN at this step (gradients not finite by themselves); every "
+        "rank then skips the optimizer step, as a GradScaler would",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--save-every", type=int, default=1000)
     p.add_argument(
@@ -67,6 +79,10 @@ def main() -> None:
         fully_shard(model)
     elif rt.world_size > 1:
         model = DDP(model)
+        if args.comm_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = build_loader(args, rt.rank, rt.world_size)
     torch.manual_seed(args.seed + rt.rank)
@@ -83,6 +99,8 @@ def main() -> None:
             for mb in rt.micro_batches(x, y, model=model, split=split):
                 with mb:
                     _, loss = model(*mb.inputs)
+                    if step == args.nan_at and rt.rank == 0:
+                        loss = loss * float("nan")
                     mb.backward(loss)
         elif args.mode == "guard":
             with rt.guard():
@@ -91,7 +109,8 @@ def main() -> None:
         else:
             _, loss = model(x, y)
             loss.backward()
-        optimizer.step()
+        if step != args.nan_at:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if args.eval:
             with rt.phase("eval"):
