@@ -174,6 +174,10 @@ def report(r: dict[str, Any]) -> None:
         "fingerprint_hash_ms_per_mib",
         "watchdog_thread_cpu_fraction",
         "monitor_cpu_fraction_16k",
+        "micro_machinery_ms",
+        "vote_in_loop_ms",
+        "agreement_folded_steps",
+        "agreement_voted_steps",
         "median_step_ms",
     )
     print(json.dumps({k: r[k] for k in keys}))
