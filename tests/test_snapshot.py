@@ -22,7 +22,7 @@ from resilient.checkpoint._torch_compat import no_init_step
 from resilient.checkpoint.state import state_digest
 from resilient.errors import ConfigError
 from resilient.runtime.dist import DistContext
-from resilient.runtime.replica import is_sharded, localize, rehydrate
+from resilient.runtime.replica import BuddyReplicas, is_sharded, localize, rehydrate
 from resilient.runtime.snapshot import SnapshotConfig, Snapshots, StepCounter
 from tests.trainee import Trainee
 
@@ -59,6 +59,36 @@ def test_rollback_restores_the_snapshot_bit_for_bit_and_the_buffers_stay_intact(
     # a second failure of the same rank at the same step is refused: the cold path
     assert not snaps.agree_rollback(step=6, failed_rank=0)
     assert snaps.pending is None
+
+
+def test_the_adaptive_interval_weighs_the_steps_a_replica_exchange_slows() -> None:
+    """The interval's arithmetic on recorded step times (no processes): a copy of 1 ms
+    against 100 ms steps is under the 2% budget, but an exchange that slows the step after
+    each snapshot by 30 ms is not; where it slows nothing, every step again."""
+    snaps = Snapshots(SnapshotConfig(enabled=True), CTX)
+    snaps.sharded, snaps.replicas = True, BuddyReplicas(CTX)
+
+    def window(busy_s: float, pattern: list[bool]) -> None:
+        snaps._copy_s = [0.001] * 32
+        snaps._step_s = [busy_s if o else 0.100 for o in pattern]
+        snaps._overlap = list(pattern)
+        snaps._exchanges = [not o for o in pattern]  # each clean step ends with a snapshot
+        snaps._agree_interval()
+
+    window(0.130, [True] * 4)  # every step so far: nothing to compare with yet
+    assert snaps.every == 2 and snaps._exchange_s is None
+    window(0.130, [True, False] * 16)  # 30 ms per exchange: (1 + 30) / (0.02 * 100) = 15.5
+    assert snaps._exchange_s == pytest.approx(0.030)
+    assert snaps.every == 16
+    window(0.100, [True] + [False] * 15 + [True] + [False] * 15)  # no longer slows a step
+    assert snaps._exchange_s == 0.0 and snaps.every == 1
+    window(0.130, [True] * 32)  # every step again: the last measured cost stands
+    assert snaps._exchange_s == 0.0 and snaps.every == 1
+    plain = Snapshots(SnapshotConfig(enabled=True), CTX)  # nothing replicated: the copy alone
+    plain._copy_s, plain._step_s, plain._overlap = [0.001] * 8, [0.1] * 8, [False] * 8
+    plain._exchanges = [False] * 8
+    plain._agree_interval()
+    assert plain.every == 1 and plain._exchange_s is None
 
 
 def test_step_counter_rewinds() -> None:

@@ -231,6 +231,12 @@ class BuddyReplicas:
         )
         self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """An exchange is in flight."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Until the exchange in flight ended (or `timeout`); False if it is still running."""
         t = self._thread

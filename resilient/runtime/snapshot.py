@@ -20,10 +20,17 @@ group exits as before (ExitCode.RANK_EXCEPTION) and the supervisor's crash-loop 
 
 Adaptive interval: the copy's time over the step's time, kept under `budget` (2%): snapshot
 every power-of-two number of steps that keeps it there (1 on small models), from the medians
-of the last 32 copies and steps. The ranks agree on it (MAX, one all_reduce of an int on the
-control group 4 steps after the start and every 32 steps), so they all snapshot at the same
-steps and any two snapshots a rank holds are held by every rank. Until the first agreement,
-every step.
+of the last 32 copies and steps. With buddy replication (sharded state under hot recovery)
+the cost also holds what the exchange in the background takes from the steps it overlaps,
+measured, not modelled: the median of those steps less the median of the others, times how
+many steps one exchange overlaps. On a host with idle cores that difference is about zero;
+on one whose cores all train it is most of the cost. To have steps of both kinds to compare,
+the first agreement picks at least 2 while replicating, and later ones keep the last
+measured difference when no step ran without an exchange.
+
+The ranks agree on the interval (MAX, one all_reduce of an int on the control group 4 steps
+after the start and every 32 steps), so they all snapshot at the same steps and any two
+snapshots a rank holds are held by every rank. Until the first agreement, every step.
 """
 
 from __future__ import annotations
@@ -212,6 +219,14 @@ class Snapshots:
         self._start: int | None = None
         self._step_s: list[float] = []
         self._copy_s: list[float] = []
+        self._overlap: list[bool] = []
+        """For each step in `_step_s`: a replica exchange ran during it."""
+        self._exchanges: list[bool] = []
+        """For each step in `_step_s`: an exchange started after it (its snapshot)."""
+        self._exchanging = False
+        """An exchange was in flight when the current step began."""
+        self._exchange_s: float | None = None
+        """The last measured step time one exchange costs (adaptive interval)."""
         self._failures: dict[tuple[int, int], int] = {}
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
@@ -275,6 +290,8 @@ class Snapshots:
         now = time.perf_counter()
         if self._last_t is not None:
             self._step_s = [*self._step_s[-(_WINDOW - 1) :], now - self._last_t]
+            self._overlap = [*self._overlap[-(_WINDOW - 1) :], self._exchanging]
+            self._exchanges = [*self._exchanges[-(_WINDOW - 1) :], False]
         if self._start is None:
             self._start = step
         if self.config.every_steps is None and (
@@ -283,15 +300,23 @@ class Snapshots:
             self._agree_interval()
         if force or step % self.every == 0:
             self.take(step)
+        replicas = self.replicas if self.sharded else None
+        self._exchanging = replicas is not None and replicas.busy
         self._last_t = time.perf_counter()
 
     def _agree_interval(self) -> None:
         """The power of two that keeps this rank's copies under budget; MAX over ranks."""
         want = 1
+        exchange_s = self._measure_exchange()
         if self._copy_s and self._step_s:
-            copy_s, step_s = statistics.median(self._copy_s), statistics.median(self._step_s)
-            ratio = copy_s / (self.config.budget * step_s) if step_s > 0 else 1.0
+            clean = [t for t, o in zip(self._step_s, self._overlap, strict=True) if not o]
+            copy_s = statistics.median(self._copy_s)
+            step_s = statistics.median(clean or self._step_s)
+            cost = copy_s + (exchange_s or 0.0)
+            ratio = cost / (self.config.budget * step_s) if step_s > 0 else 1.0
             want = 1 if ratio <= 1 else 2 ** math.ceil(math.log2(ratio))
+        if self.sharded and self.replicas is not None and exchange_s is None:
+            want = max(want, 2)  # steps without an exchange, to measure what one costs
         box = torch.tensor([min(want, _MAX_EVERY)], dtype=torch.int64)
         if self.ctx.distributed:
             dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
@@ -303,8 +328,21 @@ class Snapshots:
                 wanted_here=want,
                 copy_s=round(statistics.median(self._copy_s), 6) if self._copy_s else None,
                 step_s=round(statistics.median(self._step_s), 6) if self._step_s else None,
+                exchange_s=round(exchange_s, 6) if exchange_s is not None else None,
             )
             self.every = every
+
+    def _measure_exchange(self) -> float | None:
+        """Step time that one replica exchange costs, from the recent steps: (median of the
+        steps it overlapped - median of the others) x steps overlapped per exchange. The last
+        measured value when no recent step ran without one; None before any."""
+        busy = [t for t, o in zip(self._step_s, self._overlap, strict=True) if o]
+        clean = [t for t, o in zip(self._step_s, self._overlap, strict=True) if not o]
+        started = sum(self._exchanges)
+        if busy and clean and started:
+            extra = statistics.median(busy) - statistics.median(clean)
+            self._exchange_s = max(0.0, extra) * len(busy) / started
+        return self._exchange_s
 
     def take(self, step: int) -> None:
         """Copy the state into the older buffer; the newer one stays complete meanwhile."""
@@ -322,6 +360,8 @@ class Snapshots:
         self._newest = slot
         if self.replicas is not None and self.sharded:
             self.replicas.send(step, self._buf[slot] or {})  # in the background
+            if self._exchanges:
+                self._exchanges[-1] = True
         if self.replicate is not None:
             key = f"rank{self.ctx.rank}"
             self.replicate(
