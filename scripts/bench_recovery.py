@@ -21,8 +21,10 @@ through rt.micro_batches: with in-memory snapshots on (the group rolls back in p
 process lost) and off (today's cold path: every rank exits, the supervisor restarts the
 group, which resumes from the last checkpoint). Each is timed from the fault to the first
 step every rank completes afterwards. Snapshot overhead: fault-free launches without the
-sleep between steps, snapshots off and on (the default, adaptive interval) alternated, the
-median time per step of each; the ratio on/off, median over the pairs.
+sleep between steps, snapshots off, every step and at the default (adaptive) interval,
+alternated; the mean time per step of each (a snapshot every few steps costs those steps
+only, which a median would not show; the median's ratios are reported too); the ratio
+on/off, median over the pairs.
 
 Hot path for a lost process, in the same run, on the same model: one more launch under
 `resilient run --hot-recovery` (snapshots at the default, adaptive interval), kill -9 of rank
@@ -279,10 +281,18 @@ def _hot_kill(base: Path, width: int, kill_at: int = 20, fsdp: bool = False) -> 
     }
 
 
-def _per_step(rec: Path) -> float:
-    """Median seconds between rank 0's completed steps, the first 5 left out (warm-up)."""
-    ts = sorted(r["t"] for r in _records(rec) if r.get("rank") == 0 and "t" in r)[5:]
-    return statistics.median(b - a for a, b in itertools.pairwise(ts))
+SETTLED = 40
+"""Steps the overhead runs leave out: warm-up, and the adaptive interval's first two
+agreements (at 4 steps and at 32), after which it holds (runtime/snapshot.py)."""
+
+
+def _per_step(rec: Path, skip: int) -> tuple[float, float]:
+    """Mean and median seconds between rank 0's completed steps after the first `skip`.
+    The mean is what a cost paid every few steps adds to the run; the median of a run that
+    snapshots every 4th step shows the other three."""
+    ts = sorted(r["t"] for r in _records(rec) if r.get("rank") == 0 and "t" in r)[skip:]
+    gaps = [b - a for a, b in itertools.pairwise(ts)]
+    return statistics.fmean(gaps), statistics.median(gaps)
 
 
 def _snapshot_overhead(
@@ -298,7 +308,9 @@ def _snapshot_overhead(
     variants = {"off": {"enabled": False}, "every_step": {"enabled": True, "every_steps": 1}}
     variants["adaptive"] = {"enabled": True}
     per: dict[str, list[float]] = {k: [] for k in variants}
+    per_median: dict[str, list[float]] = {k: [] for k in variants}
     every: list[int] = []
+    final: list[int] = []
     copy_over_step: list[float] = []
     for i in range(pairs):
         for name, snap in variants.items():
@@ -307,9 +319,14 @@ def _snapshot_overhead(
             if fsdp and snap["enabled"]:
                 cmd[4:4] = ["--hot-recovery"]
             _launch_to_end(d, cmd, snap)
-            per[name].append(_per_step(d / "rec"))
+            mean, median = _per_step(d / "rec", SETTLED if steps >= 2 * SETTLED else 5)
+            per[name].append(mean)
+            per_median[name].append(median)
             if name == "adaptive":  # the copies' own timing, as the ranks measured it
-                for e in _events(d / "run", "snapshot.interval"):
+                agreed = _events(d / "run", "snapshot.interval")
+                if agreed:
+                    final.append(agreed[-1]["every_steps"])
+                for e in agreed:
                     every.append(e["every_steps"])
                     if e.get("copy_s") and e.get("step_s"):
                         copy_over_step.append(e["copy_s"] / e["step_s"])
@@ -317,10 +334,19 @@ def _snapshot_overhead(
         k: [on / off for on, off in zip(per[k], per["off"], strict=True)]
         for k in ("every_step", "adaptive")
     }
+    ratio_median = {
+        k: [on / off for on, off in zip(per_median[k], per_median["off"], strict=True)]
+        for k in ("every_step", "adaptive")
+    }
     return {
         "step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},
         "ratios": {k: [round(x, 4) for x in v] for k, v in ratio.items()},
+        "median_step_s": {k: [round(x, 5) for x in v] for k, v in per_median.items()},
+        "median_ratios": {k: [round(x, 4) for x in v] for k, v in ratio_median.items()},
+        "steps": steps,
+        "settled_after": SETTLED if steps >= 2 * SETTLED else 5,
         "intervals_chosen": sorted(set(every)),
+        "final_intervals": final,
         # one copy over one step (medians each rank measured): the cost of a snapshot every
         # step without the launches' noise; divided by the interval: at the default
         "copy_over_step": round(statistics.median(copy_over_step), 4) if copy_over_step else None,
@@ -331,6 +357,9 @@ def _snapshot_overhead(
         else None,
         "snapshot_overhead": round(statistics.median(ratio["every_step"]) - 1, 4),
         "snapshot_overhead_adaptive": round(statistics.median(ratio["adaptive"]) - 1, 4),
+        "snapshot_overhead_adaptive_by_median_step": round(
+            statistics.median(ratio_median["adaptive"]) - 1, 4
+        ),
     }
 
 
@@ -383,7 +412,7 @@ def main() -> None:
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_recovery_"))
     base.mkdir(parents=True, exist_ok=True)
     if args.overhead_only:
-        got = _snapshot_overhead(base, width, 60, args.overhead_only, args.fsdp)
+        got = _snapshot_overhead(base, width, 100, args.overhead_only, args.fsdp)
         print(json.dumps({"bench": "snapshot_overhead", "width": width, **got}))
         return
     run_dir, rec, ckpt = base / "run", base / "rec", base / "ckpt"
@@ -463,7 +492,7 @@ def main() -> None:
     for i, c in enumerate(hot_kills):
         print(f"kill -9 #{i + 1}, hot: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     overhead = _snapshot_overhead(
-        base, width, 30 if args.quick else 60, 1 if args.quick else 2, args.fsdp
+        base, width, 30 if args.quick else 100, 1 if args.quick else 2, args.fsdp
     )
     print(f"exception, in-place rollback: {hot_ex}")
     print(f"exception, cold restart: {cold_ex}")
