@@ -64,31 +64,29 @@ def test_rollback_restores_the_snapshot_bit_for_bit_and_the_buffers_stay_intact(
 def test_the_adaptive_interval_weighs_the_steps_a_replica_exchange_slows() -> None:
     """The interval's arithmetic on recorded step times (no processes): a copy of 1 ms
     against 100 ms steps is under the 2% budget, but an exchange that slows the step after
-    each snapshot by 30 ms is not; where it slows nothing, every step again."""
+    each snapshot by 30 ms is not; an exchange cannot cost more than it lasted; where it
+    slows nothing, every step again."""
     snaps = Snapshots(SnapshotConfig(enabled=True), CTX)
     snaps.sharded, snaps.replicas = True, BuddyReplicas(CTX)
-
-    def window(busy_s: float, pattern: list[bool]) -> None:
-        snaps._copy_s = [0.001] * 32
-        snaps._step_s = [busy_s if o else 0.100 for o in pattern]
-        snaps._overlap = list(pattern)
-        snaps._exchanges = [not o for o in pattern]  # each clean step ends with a snapshot
-        snaps._agree_interval()
-
-    window(0.130, [True] * 4)  # every step so far: nothing to compare with yet
-    assert snaps.every == 2 and snaps._exchange_s is None
-    window(0.130, [True, False] * 16)  # 30 ms per exchange: (1 + 30) / (0.02 * 100) = 15.5
-    assert snaps._exchange_s == pytest.approx(0.030)
+    snaps._copy_s, snaps._step_s = [0.001] * 8, [0.100] * 8
+    snaps._busy_s, snaps._spans = [0.130] * 4, [1] * 4  # every step so far: nothing to
+    snaps._agree_interval()  # compare with yet
+    assert snaps.every == 2
+    snaps._step_s = [0.100] * 32
+    snaps._clean_s = [0.100] * 16  # 30 ms per exchange: (1 + 30) / (0.02 * 100) = 15.5
+    snaps._busy_s, snaps._spans = [0.130] * 16, [1] * 16
+    snaps._agree_interval()
     assert snaps.every == 16
-    window(0.100, [True] + [False] * 15 + [True] + [False] * 15)  # no longer slows a step
-    assert snaps._exchange_s == 0.0 and snaps.every == 1
-    window(0.130, [True] * 32)  # every step again: the last measured cost stands
-    assert snaps._exchange_s == 0.0 and snaps.every == 1
+    snaps._exchange_wall = [0.010] * 16  # it ran for 10 ms only: (1 + 10) / 2 = 5.5
+    snaps._agree_interval()
+    assert snaps.every == 8
+    snaps._busy_s = [0.100] * 16  # no longer slower than the others: the copy alone
+    snaps._agree_interval()
+    assert snaps.every == 1
     plain = Snapshots(SnapshotConfig(enabled=True), CTX)  # nothing replicated: the copy alone
-    plain._copy_s, plain._step_s, plain._overlap = [0.001] * 8, [0.1] * 8, [False] * 8
-    plain._exchanges = [False] * 8
+    plain._copy_s, plain._step_s = [0.001] * 8, [0.1] * 8
     plain._agree_interval()
-    assert plain.every == 1 and plain._exchange_s is None
+    assert plain.every == 1
 
 
 def test_step_counter_rewinds() -> None:

@@ -22,11 +22,11 @@ Adaptive interval: the copy's time over the step's time, kept under `budget` (2%
 every power-of-two number of steps that keeps it there (1 on small models), from the medians
 of the last 32 copies and steps. With buddy replication (sharded state under hot recovery)
 the cost also holds what the exchange in the background takes from the steps it overlaps,
-measured, not modelled: the median of those steps less the median of the others, times how
-many steps one exchange overlaps. On a host with idle cores that difference is about zero;
-on one whose cores all train it is most of the cost. To have steps of both kinds to compare,
-the first agreement picks at least 2 while replicating, and later ones keep the last
-measured difference when no step ran without an exchange.
+measured, not modelled: the median of the last 32 steps that overlapped one less the median
+of the last 32 that did not, times the steps one exchange overlaps (mean of the last 32),
+and at most the exchange's own duration. On a host with idle cores that difference is about
+zero; on one whose cores all train it is most of the cost. To have steps of both kinds to
+compare, the interval is at least 2 while replicating until the first measurement.
 
 The ranks agree on the interval (MAX, one all_reduce of an int on the control group 4 steps
 after the start and every 32 steps), so they all snapshot at the same steps and any two
@@ -219,14 +219,15 @@ class Snapshots:
         self._start: int | None = None
         self._step_s: list[float] = []
         self._copy_s: list[float] = []
-        self._overlap: list[bool] = []
-        """For each step in `_step_s`: a replica exchange ran during it."""
-        self._exchanges: list[bool] = []
-        """For each step in `_step_s`: an exchange started after it (its snapshot)."""
+        self._busy_s: list[float] = []
+        """Recent steps during which a replica exchange ran, and (below) the others."""
+        self._clean_s: list[float] = []
+        self._spans: list[int] = []
+        """Steps each recent exchange overlapped."""
+        self._exchange_wall: list[float] = []
+        """Wall seconds of recent exchanges."""
         self._exchanging = False
         """An exchange was in flight when the current step began."""
-        self._exchange_s: float | None = None
-        """The last measured step time one exchange costs (adaptive interval)."""
         self._failures: dict[tuple[int, int], int] = {}
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
@@ -289,9 +290,14 @@ class Snapshots:
             return
         now = time.perf_counter()
         if self._last_t is not None:
-            self._step_s = [*self._step_s[-(_WINDOW - 1) :], now - self._last_t]
-            self._overlap = [*self._overlap[-(_WINDOW - 1) :], self._exchanging]
-            self._exchanges = [*self._exchanges[-(_WINDOW - 1) :], False]
+            step_s = now - self._last_t
+            self._step_s = [*self._step_s[-(_WINDOW - 1) :], step_s]
+            if self._exchanging:
+                self._busy_s = [*self._busy_s[-(_WINDOW - 1) :], step_s]
+                if self._spans:
+                    self._spans[-1] += 1
+            else:
+                self._clean_s = [*self._clean_s[-(_WINDOW - 1) :], step_s]
         if self._start is None:
             self._start = step
         if self.config.every_steps is None and (
@@ -307,15 +313,14 @@ class Snapshots:
     def _agree_interval(self) -> None:
         """The power of two that keeps this rank's copies under budget; MAX over ranks."""
         want = 1
-        exchange_s = self._measure_exchange()
+        exchange_s = self._exchange_cost()
         if self._copy_s and self._step_s:
-            clean = [t for t, o in zip(self._step_s, self._overlap, strict=True) if not o]
             copy_s = statistics.median(self._copy_s)
-            step_s = statistics.median(clean or self._step_s)
+            step_s = statistics.median(self._clean_s or self._step_s)
             cost = copy_s + (exchange_s or 0.0)
             ratio = cost / (self.config.budget * step_s) if step_s > 0 else 1.0
             want = 1 if ratio <= 1 else 2 ** math.ceil(math.log2(ratio))
-        if self.sharded and self.replicas is not None and exchange_s is None:
+        if exchange_s is None:
             want = max(want, 2)  # steps without an exchange, to measure what one costs
         box = torch.tensor([min(want, _MAX_EVERY)], dtype=torch.int64)
         if self.ctx.distributed:
@@ -332,17 +337,18 @@ class Snapshots:
             )
             self.every = every
 
-    def _measure_exchange(self) -> float | None:
-        """Step time that one replica exchange costs, from the recent steps: (median of the
-        steps it overlapped - median of the others) x steps overlapped per exchange. The last
-        measured value when no recent step ran without one; None before any."""
-        busy = [t for t, o in zip(self._step_s, self._overlap, strict=True) if o]
-        clean = [t for t, o in zip(self._step_s, self._overlap, strict=True) if not o]
-        started = sum(self._exchanges)
-        if busy and clean and started:
-            extra = statistics.median(busy) - statistics.median(clean)
-            self._exchange_s = max(0.0, extra) * len(busy) / started
-        return self._exchange_s
+    def _exchange_cost(self) -> float | None:
+        """Step time that one replica exchange costs (module doc); None before steps with
+        and without one were both seen, and 0 when nothing is replicated."""
+        if not (self.sharded and self.replicas is not None):
+            return 0.0
+        if not (self._busy_s and self._clean_s and self._spans):
+            return None
+        extra = statistics.median(self._busy_s) - statistics.median(self._clean_s)
+        cost = max(0.0, extra) * statistics.fmean(self._spans)
+        if self._exchange_wall:  # it cannot have held the steps up longer than it ran
+            cost = min(cost, statistics.median(self._exchange_wall))
+        return cost
 
     def take(self, step: int) -> None:
         """Copy the state into the older buffer; the newer one stays complete meanwhile."""
@@ -352,6 +358,11 @@ class Snapshots:
         t0 = time.perf_counter()
         if self.replicas is not None:  # the older buffer may still be on its way to the buddy
             self.replicas.wait()
+            if self._spans and self.replicas.seconds > 0:  # how long the last one ran
+                self._exchange_wall = [
+                    *self._exchange_wall[-(_WINDOW - 1) :],
+                    self.replicas.seconds,
+                ]
         slot = 0 if self._newest != 0 else 1
         self._steps[slot] = -1  # incomplete until the copy is done
         live = self._state.to_state_dict(step=step, rank=self.ctx.rank)
@@ -360,8 +371,7 @@ class Snapshots:
         self._newest = slot
         if self.replicas is not None and self.sharded:
             self.replicas.send(step, self._buf[slot] or {})  # in the background
-            if self._exchanges:
-                self._exchanges[-1] = True
+            self._spans = [*self._spans[-(_WINDOW - 1) :], 0]
         if self.replicate is not None:
             key = f"rank{self.ctx.rank}"
             self.replicate(
