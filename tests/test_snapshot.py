@@ -80,6 +80,11 @@ def test_the_adaptive_interval_weighs_the_steps_a_replica_exchange_slows() -> No
     snaps._exchange_wall = [0.010] * 16  # it ran for 10 ms only: (1 + 10) / 2 = 5.5
     snaps._agree_interval()
     assert snaps.every == 8
+    snaps._exchange_wall = [0.001] * 16  # (1 + 1) / 2 = 1, but at most halved at a time
+    snaps._agree_interval()
+    assert snaps.every == 4
+    snaps._agree_interval()
+    assert snaps.every == 2
     snaps._busy_s = [0.100] * 16  # no longer slower than the others: the copy alone
     snaps._agree_interval()
     assert snaps.every == 1

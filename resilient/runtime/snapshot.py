@@ -26,7 +26,8 @@ measured, not modelled: the median of the last 32 steps that overlapped one less
 of the last 32 that did not, times the steps one exchange overlaps (mean of the last 32),
 and at most the exchange's own duration. On a host with idle cores that difference is about
 zero; on one whose cores all train it is most of the cost. To have steps of both kinds to
-compare, the interval is at least 2 while replicating until the first measurement.
+compare, the interval is at least 2 while replicating until the first measurement, and
+it comes down by at most half at each agreement while an exchange costs anything.
 
 The ranks agree on the interval (MAX, one all_reduce of an int on the control group 4 steps
 after the start and every 32 steps), so they all snapshot at the same steps and any two
@@ -322,6 +323,10 @@ class Snapshots:
             want = 1 if ratio <= 1 else 2 ** math.ceil(math.log2(ratio))
         if exchange_s is None:
             want = max(want, 2)  # steps without an exchange, to measure what one costs
+        elif exchange_s > 0:
+            # step times are noisy: one quiet window must not take the interval from 16 to 1
+            # at once (it may rise at once: that keeps the budget)
+            want = max(want, self.every // 2)
         box = torch.tensor([min(want, _MAX_EVERY)], dtype=torch.int64)
         if self.ctx.distributed:
             dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
