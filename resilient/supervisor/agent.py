@@ -256,9 +256,16 @@ class SupervisedAgent(ElasticAgentBase):
             stepped = bool(self._hot_workers_store(worker_group).check([key]))
         except Exception:  # the store is gone: no reason left to wait
             stepped = True
-        if stepped or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if stepped or now >= deadline:
             self._spare_after = None
             self._spare.start()
+            self._hooks.on_event(
+                ev.RECOVERY_HOT_SPARE,
+                generation=gen,
+                after_first_step=stepped,
+                since_replace_s=round(now - deadline + _SPARE_DEFER_MAX_S, 3),
+            )
 
     def _hot_prefix(self) -> str:
         return hot_store_prefix(self.attempt_id)
