@@ -108,6 +108,9 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
     (replace,) = _events(tmp_path, "recovery.hot.replace")
     assert (replace["rank"], replace["exit_code"], replace["generation"]) == (victim, -9, 1)
     assert replace["warm_spare"] is True
+    # the next spare waits for the new generation's first step (not the recovery's CPU)
+    (spare,) = _events(tmp_path, "recovery.hot.spare")
+    assert (spare["generation"], spare["after_first_step"]) == (1, True)
     formed = _events(tmp_path, "recovery.hot.formed")
     assert sorted(e["rank"] for e in formed) == list(range(nproc))
     assert {e["to_step"] for e in formed} == {5}  # the step the kill interrupted: none lost

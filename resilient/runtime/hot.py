@@ -36,6 +36,7 @@ that does not drain, a second loss during recovery (the agent's rule).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -59,6 +60,7 @@ __all__ = [
     "Resumed",
     "enabled",
     "generation",
+    "mark_stepped",
     "put_replica",
     "restart",
     "resume",
@@ -233,6 +235,17 @@ def await_generation() -> int:
         reason=f"the launcher published no generation {_carry.generation} in {WAIT_S:g} s",
     )
     os._exit(int(ExitCode.PEER_LOST))
+
+
+def mark_stepped(store: Any) -> None:
+    """On rank 0, once the first step of a generation >= 1 closed: say so in the store. The
+    agent holds back its next warm spare until then (supervisor/agent.py), so the spare's
+    start does not take a core from the recovery's re-formation and first step."""
+    if store is None:
+        return
+    # a store that fails here: the agent starts the spare after its deadline anyway
+    with contextlib.suppress(RuntimeError, dist.DistError):
+        store.set(f"{store_prefix()}/gen_{generation()}/stepped", "1")
 
 
 # ---------------------------------------------------------------- every rank of the new generation

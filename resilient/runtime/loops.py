@@ -21,6 +21,7 @@ from resilient import events as ev
 from resilient.checkpoint import TrainState, state_digest
 from resilient.envvars import ENV_FINAL_DIGEST, ENV_STOP_AT
 from resilient.errors import ConfigError
+from resilient.runtime import hot
 from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import DistContext
 from resilient.runtime.fingerprint import StepFingerprints
@@ -67,6 +68,10 @@ class Loops:
         self._every_steps = self.config.save_every_steps
         self._every_seconds = self.config.save_every_seconds
         self._epoch_loop: _EpochLoop | None = None
+        self._mark_stepped = (
+            hot.enabled() and hot.generation() > 0 and self.ctx.distributed and self.ctx.rank == 0
+        )
+        """Rank 0 of a hot generation: tell the agent when the first step closed."""
 
     if TYPE_CHECKING:  # Runtime's
 
@@ -224,6 +229,9 @@ class Loops:
             self.save()
         if self.guards.rollback is not None:  # off in epochs(): a copy nothing could use
             self.snapshots.after_step(self.step, force=saved)
+        if self._mark_stepped:  # the agent starts its next spare then (supervisor/agent.py)
+            self._mark_stepped = False
+            hot.mark_stepped(self.ctx.base_store)
 
     def _finish_loop(self, start: int) -> None:
         if self.step > start or self._open is not None:

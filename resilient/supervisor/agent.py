@@ -47,6 +47,9 @@ from resilient.supervisor.spare import Spare
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
 
 _ATTEMPT_KEY = "resilient/attempt_id"
+_SPARE_DEFER_MAX_S = 30.0
+"""How long after a hot replacement the next spare may wait for the new generation's first
+step (then it starts anyway): see SupervisedAgent._start_spare_when_stepped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,8 @@ class SupervisedAgent(ElasticAgentBase):
         self._hot_gen = 0
         self._hot_store: Any = None
         self._spare = Spare() if hot_max else None
+        self._spare_after: tuple[int, float] | None = None
+        """(generation, deadline): the next spare starts once that generation stepped."""
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -136,6 +141,7 @@ class SupervisedAgent(ElasticAgentBase):
         self._roots = {}
         self._handled = False
         self._hot_gen, self._hot_store = 0, None
+        self._spare_after = None
         pids = super().start_workers(worker_group)
         if self._spare is not None:
             self._spare.start()  # warm while the group trains: a replacement in waiting
@@ -162,6 +168,8 @@ class SupervisedAgent(ElasticAgentBase):
 
     # ------------------------------------------------------------------ monitor
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._spare_after is not None:
+            self._start_spare_when_stepped(worker_group)
         pids = self.worker_pids()
         if pids is not None and not self._roots:
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
@@ -229,9 +237,35 @@ class SupervisedAgent(ElasticAgentBase):
             warm_spare=warm,
             seconds=round(time.monotonic() - t0, 4),
         )
-        if self._spare is not None:
-            self._spare.start()  # the next one
+        if self._spare is not None:  # the next one, once the new generation made a step
+            self._spare_after = (gen, time.monotonic() + _SPARE_DEFER_MAX_S)
         return True
+
+    def _start_spare_when_stepped(self, worker_group: WorkerGroup) -> None:
+        """Start the next spare once the generation of the last hot replacement completed its
+        first step (rank 0 marks it in the store: runtime/hot.py), or `_SPARE_DEFER_MAX_S`
+        after the replacement. A spare's start is seconds of one core (python, torch's
+        import); started at the replacement, as before, it took a core from the ranks while
+        they re-formed and ran their first step: on a 2-core host with FSDP2 the first step
+        after a kill -9 took 0.55 s median instead of 0.42 s without it (docs/benchmarks.md).
+        A loss before the spare is ready is still replaced hot, by a fresh process."""
+        assert self._spare is not None and self._spare_after is not None
+        gen, deadline = self._spare_after
+        try:
+            key = f"{self._hot_prefix()}/gen_{gen}/stepped"
+            stepped = bool(self._hot_workers_store(worker_group).check([key]))
+        except Exception:  # the store is gone: no reason left to wait
+            stepped = True
+        now = time.monotonic()
+        if stepped or now >= deadline:
+            self._spare_after = None
+            self._spare.start()
+            self._hooks.on_event(
+                ev.RECOVERY_HOT_SPARE,
+                generation=gen,
+                after_first_step=stepped,
+                since_replace_s=round(now - deadline + _SPARE_DEFER_MAX_S, 3),
+            )
 
     def _hot_prefix(self) -> str:
         return hot_store_prefix(self.attempt_id)
@@ -356,6 +390,7 @@ class SupervisedAgent(ElasticAgentBase):
 
     # ------------------------------------------------------------------ stop
     def stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._spare_after = None
         if self._spare is not None:
             self._spare.stop()
         if worker_group.state == WorkerState.HEALTHY:
@@ -370,6 +405,7 @@ class SupervisedAgent(ElasticAgentBase):
             time.sleep(delay)
 
     def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._spare_after = None
         if self._spare is not None:
             self._spare.stop()
         if isinstance(sys.exc_info()[1], SignalException) and death_sig in self._preempt_signals:
