@@ -100,15 +100,14 @@ def reset_reducer_state(ddp: DistributedDataParallel) -> None:
     ddp.reducer._reset_state()
 
 
-def match_backward_all_reduce(ddp: DistributedDataParallel, fill: float = 0.0) -> None:
+def match_backward_all_reduce(ddp: DistributedDataParallel, fill: float) -> None:
     """Join the peers' gradient all-reduce of a synced backward with every gradient equal to
     `fill`, without a backward of our own (one all-reduce per bucket, in the reducer's order,
     through the registered comm hook; waits for all of them). DDP's join hook does the same
     with zeros."""
     works = []
     for bucket in ddp.reducer._get_zeros_like_grad_buckets():
-        if fill != 0.0:
-            bucket.buffer().fill_(fill)  # the bucket's own storage, not a copy
+        bucket.buffer().fill_(fill)  # the bucket's own storage, not a copy
         works.append(ddp.reducer._run_comm_hook(bucket))
     for work in works:
         work.wait()
