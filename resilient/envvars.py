@@ -43,9 +43,11 @@ __all__ = [
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "WATCHDOG_PREFIX",
     "int_env",
     "json_object_env",
     "parse_signals",
+    "worker_store_prefix",
 ]
 
 # ---------------------------------------------------------------- resilient's own
@@ -114,6 +116,17 @@ DEFAULT_GRACE_S = 30.0
 """Preemption budget when neither --grace-period nor $RESILIENT_GRACE_S says otherwise."""
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 """Signals that mean "save and leave" by default."""
+
+
+WATCHDOG_PREFIX = "watchdog"
+"""Under a generation's prefix: the workers' heartbeats and verdicts (runtime/watchdog.py; the
+verdict is the key `verdict`, runtime/verdict.py)."""
+
+
+def worker_store_prefix(attempt: str, generation: int = 0) -> str:
+    """The keys of one attempt's generation in the launcher's store: the workers' process groups
+    and their watchdog live under it (runtime/dist.py)."""
+    return f"resilient/attempt_{attempt}" + (f"/gen_{generation}" if generation else "")
 
 
 def hot_store_prefix(attempt: str) -> str:

@@ -33,6 +33,7 @@ from resilient.envvars import (
     TORCHELASTIC_RUN_ID,
     TORCHELASTIC_USE_AGENT_STORE,
     int_env,
+    worker_store_prefix,
 )
 from resilient.errors import ConfigError
 
@@ -111,9 +112,7 @@ def init_distributed(
         wait_for_workers=False,
     )
     attempt = os.environ.get(ENV_ATTEMPT) or str(restart)
-    gen = int_env(ENV_GENERATION, 0)
-    prefix = f"resilient/attempt_{attempt}" + (f"/gen_{gen}" if gen else "")
-    prefixed = dist.PrefixStore(prefix, store)
+    prefixed = dist.PrefixStore(worker_store_prefix(attempt, int_env(ENV_GENERATION, 0)), store)
     if user_group:  # use it, add our side groups
         backend = str(dist.get_backend())
     else:

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch.distributed as dist
 from torch import nn
 
+from resilient.envvars import WATCHDOG_PREFIX
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
 from resilient.runtime import procinfo
@@ -45,8 +46,6 @@ from resilient.runtime.instrument import instrument
 from resilient.runtime.verdict import STORE_ERRORS, Verdicts, exit_now, hard_exit
 
 __all__ = ["Watchdog", "exit_now"]  # exit_now: from verdict.py, where it lives
-
-_PREFIX = "watchdog"
 
 
 class Watchdog(Verdicts):
@@ -93,7 +92,7 @@ class Watchdog(Verdicts):
             return
         base = self.ctx.store.clone() if self.ctx.store is not None else dist.HashStore()
         base.set_timeout(timedelta(seconds=cfg.heartbeat_timeout_s))
-        self._store = dist.PrefixStore(_PREFIX, base)
+        self._store = dist.PrefixStore(WATCHDOG_PREFIX, base)
         pid = os.getpid()
         meta = {"host": self.ctx.host, "pid": pid, "start": procinfo.start_time(pid)}
         self._store.set(f"meta/{self.rank}", json.dumps(meta))

@@ -27,6 +27,7 @@ What changes:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -39,7 +40,13 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from resilient import events as ev
-from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, hot_store_prefix
+from resilient.envvars import (
+    ENV_ATTEMPT,
+    ENV_GENERATION,
+    WATCHDOG_PREFIX,
+    hot_store_prefix,
+    worker_store_prefix,
+)
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
 from resilient.supervisor.spare import Spare
@@ -272,13 +279,21 @@ class SupervisedAgent(ElasticAgentBase):
         return hot_store_prefix(self.attempt_id)
 
     def _forming_reason(self, worker_group: WorkerGroup) -> str | None:
-        """Why a failure now must go cold for the store's sake (the current generation is
-        still forming, or the store is unreachable); None when neither."""
+        """Why a failure now must go cold for the store's sake: the current generation is
+        still forming, the workers stop the group together, or the store is unreachable;
+        None when none of these."""
         try:
             store = self._hot_workers_store(worker_group)
             formed = f"{self._hot_prefix()}/gen_{self._hot_gen}/formed"
             if self._hot_gen and not store.check([formed]):
                 return f"a failure while generation {self._hot_gen} was still forming"
+            # a verdict for the whole group (not a hot one, which names one rank to replace):
+            # its ranks exit one by one, and the first one out is no lost process to replace
+            key = f"{worker_store_prefix(self.attempt_id, self._hot_gen)}/{WATCHDOG_PREFIX}/verdict"
+            if store.check([key]):
+                verdict = json.loads(bytes(store.get(key)))
+                if not verdict.get("hot"):
+                    return f"the workers' verdict stops the group: {verdict.get('reason')}"
         except Exception as e:  # the store is gone: nothing can re-form through it
             return f"the workers' store is unreachable: {e}"
         return None
