@@ -265,6 +265,63 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddys_replica(
     assert not _events(tmp_path, "recovery.cold")
 
 
+def test_an_exception_outside_the_agreement_is_replaced_hot(
+    golden: dict[int, str], tmp_path: Path
+) -> None:
+    """DDP under `rt.guard()`: rank 1's forward raises at step 5 while rank 0 waits in the
+    gradient all-reduce (this took every rank down before: a cold restart). Rank 1 leaves
+    alone, with its exception's exit code; the agent replaces it hot, no step is lost and the
+    run ends bitwise equal."""
+    code, err = _run(
+        tmp_path,
+        2,
+        ["raise@rank=1,step=5,phase=forward"],
+        "--hot-recovery",
+        worker=("--mode", "guard"),
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden[2]
+    (replace,) = _events(tmp_path, "recovery.hot.replace")
+    assert (replace["rank"], replace["exit_code"]) == (1, int(ExitCode.RANK_EXCEPTION))
+    formed = _events(tmp_path, "recovery.hot.formed")
+    assert sorted(e["rank"] for e in formed) == [0, 1] and {e["to_step"] for e in formed} == {5}
+    inits = _inits(tmp_path)
+    assert inits[0][0] == inits[0][1] and inits[1][0] != inits[1][1], inits
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+    assert not _events(tmp_path, "recovery.cold")
+
+
+def test_an_fsdp2_exception_is_replaced_hot_and_the_same_one_again_goes_cold(
+    golden_fsdp: dict[int, str], tmp_path: Path
+) -> None:
+    """FSDP2 in a plain loop: rank 1's forward raises at step 5 (the exception escapes the
+    script) while rank 0 waits in FSDP2's all-gather. Rank 1 lets its newest replica land and
+    leaves; its replacement gets its shards from rank 0 and goes back to step 5, where it
+    raises again (the fault fires in every generation). The same failure at the same step is
+    not replaced twice: the group restarts cold (the crash-loop rules apply), and the run
+    still ends bitwise equal."""
+    code, err = _run(
+        tmp_path,
+        2,
+        ["raise@rank=1,step=5,phase=forward,generation=any"],
+        "--hot-recovery",
+        worker=("--mode", "none", "--fsdp"),
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden_fsdp[2]
+    (replace,) = _events(tmp_path, "recovery.hot.replace")
+    assert (replace["rank"], replace["exit_code"]) == (1, int(ExitCode.RANK_EXCEPTION))
+    formed = {int(e["rank"]): e for e in _events(tmp_path, "recovery.hot.formed")}
+    assert {e["to_step"] for e in formed.values()} == {5}  # no step lost
+    assert formed[1]["from_rank"] == 0  # its shards came from its buddy
+    (refused,) = _events(tmp_path, "rollback.refused")
+    assert "same failure at the same step" in refused["reason"], refused
+    # rank 0's exit under the group's verdict is not taken for a lost process to replace
+    (cold,) = _events(tmp_path, "recovery.cold")
+    assert "verdict stops the group" in cold["reason"] or "at once" in cold["reason"], cold
+    assert len(_events(tmp_path, "attempt.start")) == 2  # one cold restart
+
+
 def test_a_kill_during_replication_falls_back_to_the_replica_before(
     golden_fsdp: dict[int, str], tmp_path: Path
 ) -> None:

@@ -130,6 +130,10 @@ class Guard:
         self.hot: Callable[[BaseException], NoReturn] | None = None
         """Set by the Runtime under hot recovery: a lost peer re-runs the script in place
         (runtime/hot.py) instead of taking the group down."""
+        self.hot_own: Callable[[BaseException, str, int], None] | None = None
+        """Set by the Runtime under hot recovery: this rank's own failure (kind, split) outside
+        the in-place agreement leaves this process alone, to be replaced hot
+        (hot.leave_for_replacement: exits), or returns when the group must go cold."""
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by the Runtime: has a stop (preemption) signal arrived? Then a lost peer means
         the launcher is already taking the group down, and no verdict is worth waiting for."""
@@ -227,8 +231,11 @@ class Guard:
         """An exception that escaped the training loop (the Runtime's excepthook). A collective
         that failed because a peer is gone is not this rank's failure: it gets the guard's
         treatment, as if the loop had been guarded (the monitor names the lost rank, every
-        rank exits PEER_LOST). Anything else returns and is recorded as the rank's own."""
-        if self.ctx.distributed and not self.failing and _classify(exc) == "peer":
+        rank exits PEER_LOST). Under hot recovery the rank's own exception is treated like a
+        guarded one. Anything else returns and is recorded as the rank's own."""
+        if not self.ctx.distributed or self.failing:
+            return
+        if self.hot_own is not None or _classify(exc) == "peer":
             self.fail_fast(exc)
 
     def fail_fast(self, exc: BaseException) -> NoReturn:
@@ -236,8 +243,21 @@ class Guard:
         wd = self.watchdog
         if wd.verdict_pending():
             wd.wait_for_verdict(1.0)
-        self.failing = True
         kind = _classify(exc)
+        if kind != "peer" and self.hot_own is not None and not self.stop_requested():
+            self._log.error(
+                "guard.failure",
+                kind=kind,
+                step=wd.progress.step,
+                phase=wd.progress.phase.name.lower(),
+                error=_short(exc),
+                action="hot replacement",
+                exc_info=exc,
+            )
+            if kind == "oom":  # the next generation starts at twice the split
+                self._carry(self.split * 2, reason="oom", rank=self.ctx.rank)
+            self.hot_own(exc, kind, self.split)  # exits this process alone, or returns: cold
+        self.failing = True
         step, phase = wd.progress.step, wd.progress.phase.name.lower()
         if kind == "peer":
             self._log.warning("guard.peer_error", step=step, phase=phase, error=_short(exc))

@@ -60,6 +60,7 @@ __all__ = [
     "Resumed",
     "enabled",
     "generation",
+    "leave_for_replacement",
     "mark_stepped",
     "put_replica",
     "restart",
@@ -183,6 +184,49 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
         timings={"teardown_s": time.monotonic() - t0},
     )
     raise HotRestart(gen, str(exc)[:200])
+
+
+def leave_for_replacement(rt: Runtime, exc: BaseException, *, kind: str, split: int) -> None:
+    """On the rank whose own step raised `exc` outside the guard's in-place agreement (FSDP2,
+    `rt.guard()`, an exception that escaped the loop): leave this process alone, with the
+    failure's exit code and no verdict for the others, so that the agent replaces it with a
+    warm spare and the survivors re-form around it, as after a kill -9. Returns when the
+    group must go cold instead, after saying why: the caller then takes its usual path.
+
+    Why the process goes and is not kept: its peers may be blocked in a collective it will
+    never enter (FSDP2's all-gathers, DDP's gradient all-reduce). gloo cannot abort one, and
+    the connection closes only when the last reference to its process group dies; torch's
+    DTensor caches keep the mesh, and with it the group, alive in this process. A closed
+    process is the one signal every peer gets at once (docs/hot-recovery.md).
+
+    The same failure (rank, step, kind, micro-batch split) a second time in this attempt goes
+    cold (SnapshotConfig.max_retries_per_step): a replay that fails the same way again would
+    otherwise be replaced until --hot-max ran out."""
+    log = get_logger()
+    store, gen, step = rt.ctx.base_store, generation(), rt.watchdog.progress.step
+    prefix = store_prefix()
+    reason = None
+    if store is None or not rt.ctx.distributed:
+        reason = "no store"
+    else:
+        try:
+            times = int(store.add(f"{prefix}/raised/{rt.rank}/{step}/{kind}/{split}", 1))
+            if times > rt.snapshots.config.max_retries_per_step:
+                reason = f"the same failure at the same step again ({times} times)"
+            elif gen and not store.check([f"{prefix}/gen_{gen}/formed"]):
+                reason = f"a failure while generation {gen} was still forming"
+        except (RuntimeError, dist.DistError, ValueError) as e:
+            reason = f"the store failed: {e}"
+    if reason is not None:
+        log.error(ev.ROLLBACK_REFUSED, step=step, failed_rank=rt.rank, reason=reason, hot=True)
+        return
+    from resilient.runtime.watchdog import exit_now
+
+    replicas = rt.snapshots.replicas
+    if replicas is not None:  # the buddy's copy of this rank's newest snapshot: let it land
+        replicas.wait(_DRAIN_S)
+    code = ExitCode.OOM if kind == "oom" else ExitCode.RANK_EXCEPTION
+    exit_now(code, kind="hot_replacement", reason=f"{type(exc).__name__} at step {step}")
 
 
 def divert_escaped(exc: Exception) -> bool:

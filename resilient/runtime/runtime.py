@@ -238,6 +238,9 @@ class Runtime(Loops):
             if snap.replicas:  # sharded snapshots also go to a buddy (runtime/replica.py)
                 self.snapshots.replicas = BuddyReplicas(self.ctx, timeout_s=config.side_timeout_s)
             self.guards.hot = lambda exc: hot.restart(self, exc)
+            self.guards.hot_own = lambda exc, kind, split: hot.leave_for_replacement(
+                self, exc, kind=kind, split=split
+            )
         # resilient preemption: signals become a stop at an agreed step (runtime/preempt.py)
         self.preemption = PreemptionWatch(
             config.preempt,
