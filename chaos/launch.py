@@ -68,15 +68,17 @@ def hot_recovery_unavailable() -> str | None:
 def _spec(p: Planned) -> str:
     """The chaos.inject spec that arms an in-process fault of a scenario."""
     f = p.fault
-    kind, phase, extra = f.kind, f.phase, ""
+    kind, phase, extra, gen = f.kind, f.phase, "", str(p.generation)
     if kind == "raise_twice":  # fires again at the same step after the rollback
-        kind, extra = "raise", ",times=2"
+        # ...in the same process (DDP: rolled back in place), or in the warm replacement
+        # of the next generation (FSDP2: no in-place agreement)
+        kind, extra, gen = "raise", ",times=2", "any"
     elif kind == "kill_during_snapshot":
         kind, phase = "kill", "snapshot"
     elif kind == "kill_during_replication":
         kind, phase = "kill", "replicate"
     where = f"rank={f.rank},step={f.at_step},phase={phase}"
-    return f"--fault={kind}@{where},restart={p.restart},generation={p.generation}{extra}"
+    return f"--fault={kind}@{where},restart={p.restart},generation={gen}{extra}"
 
 
 @dataclass(slots=True)

@@ -72,7 +72,7 @@ class Planned:
 def plan(sc: Scenario) -> list[Planned]:
     out, launch, restart, attempt, gen = [], 0, 0, 0, 0
     for f in sorted(sc.faults, key=lambda f: f.at_step):
-        p = Planned(f, launch, restart, attempt, expected_recovery(f, sc.hot), gen)
+        p = Planned(f, launch, restart, attempt, expected_recovery(f, sc.hot, sc.recipe), gen)
         out.append(p)
         if f.kind in PREEMPTIONS:
             launch, restart, attempt, gen = launch + 1, 0, attempt + 1, 0

@@ -112,7 +112,7 @@ _IN_STEP = ("forward", "backward")
 """Where rt.micro_batches can catch an in-process fault (the guard's in-place agreement)."""
 
 
-def expected_recovery(f: Fault, hot: bool) -> str:
+def expected_recovery(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> str:
     """What must follow fault `f`: "hot" (rolled back in place, or a warm replacement),
     "retry" (the OOM guard retried the batch in smaller parts), "cold" (a restart of the
     group) or "none" (a storage fault retried inside the save)."""
@@ -121,8 +121,8 @@ def expected_recovery(f: Fault, hot: bool) -> str:
     if not hot or f.kind in ("raise_twice", "kill_with_buddy"):
         return "cold"
     if f.kind in ("raise", "oom"):
-        if f.phase not in _IN_STEP:  # outside rt.micro_batches: the rank exits, cold
-            return "cold"
+        if f.phase not in _IN_STEP or recipe == "train_fsdp.py":
+            return "hot"  # no in-place agreement there: the rank is replaced warm
         return "retry" if f.kind == "oom" else "hot"
     return "hot" if f.kind in LOST_PROCESS else "cold"
 
@@ -183,8 +183,8 @@ class Scenario:
     """The whole faulty run must end within this."""
     hot: bool = False
     """Hot mode: snapshots every step, the DDP recipe steps through rt.micro_batches, and
-    `resilient run --hot-recovery` where it exists. Only HOT_KINDS, and with the FSDP2
-    recipe only LOST_PROCESS (an exception there is not rolled back in place); each fault's
+    `resilient run --hot-recovery` where it exists. Only HOT_KINDS (with the FSDP2 recipe an
+    exception is not rolled back in place: the failing rank is replaced warm); each fault's
     recovery (hot or cold, from the events) must be the one `expected_recovery` names."""
     faults: list[Fault] = field(default_factory=list)
 
@@ -192,11 +192,6 @@ class Scenario:
         kinds = {f.kind for f in self.faults}
         if self.hot and self.recipe not in ("train_ddp.py", "train_fsdp.py"):
             raise ValueError(f"{self.name}: hot mode runs train_ddp.py or train_fsdp.py")
-        if self.hot and self.recipe == "train_fsdp.py" and kinds - LOST_PROCESS:
-            raise ValueError(
-                f"{self.name}: hot mode with FSDP2 takes only lost processes "
-                f"{sorted(LOST_PROCESS)}, got {sorted(kinds - LOST_PROCESS)}"
-            )
         if "kill_during_replication" in kinds and self.recipe != "train_fsdp.py":
             raise ValueError(f"{self.name}: only sharded state (train_fsdp.py) is replicated")
         if self.hot and {f.kind for f in self.faults} - HOT_KINDS:
@@ -245,7 +240,7 @@ class Scenario:
         fault-free run must use the same splits to end with the same bits."""
         out, split = [], 1
         for f in sorted(self.faults, key=lambda f: f.at_step):
-            if self.hot and expected_recovery(f, True) == "retry":
+            if self.hot and expected_recovery(f, True, self.recipe) == "retry":
                 split *= 2
                 out.append((f.at_step, split))
         return out
