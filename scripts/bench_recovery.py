@@ -193,11 +193,15 @@ def _launch_to_end(base: Path, cmd: list[str], snapshot: dict[str, Any]) -> None
         raise SystemExit(f"{base.name}: the launch exited {code}; see {base / 'launcher.log'}")
 
 
-def _exception_recovery(base: Path, width: int, hot: bool, fault_step: int) -> dict[str, Any]:
-    """A chaos raise in rank 1's forward at `fault_step`; fault to the first step after it."""
+def _exception_recovery(
+    base: Path, width: int, hot: bool, fault_step: int, model: str = "--micro"
+) -> dict[str, Any]:
+    """A chaos raise in rank 1's forward at `fault_step`; fault to the first step after it.
+    `hot`: snapshots on, so DDP's micro-batches roll back in place (FSDP2 has no in-place
+    path: `_hot_kill(raise_at=True)` is its hot one)."""
     fault = f"raise@rank=1,step={fault_step},phase=forward"
     worker = ["--steps", str(fault_step + 6), "--save-every=5", "--sync", "--sleep=0.05"]
-    cmd = _cmd(base, width, 10.0, *worker, "--micro", f"--fault={fault}")
+    cmd = _cmd(base, width, 10.0, *worker, model, f"--fault={fault}")
     _launch_to_end(base, cmd, {"enabled": hot})
     run_dir, recs = base / "run", [r for r in _records(base / "rec") if "t" in r]
     t_fault = min(e["time"] for e in _events(run_dir, "chaos.fault"))
@@ -230,12 +234,18 @@ def _exception_recovery(base: Path, width: int, hot: bool, fault_step: int) -> d
     return out
 
 
-def _hot_kill(base: Path, width: int, kill_at: int = 20, fsdp: bool = False) -> dict[str, Any]:
+def _hot_kill(
+    base: Path, width: int, kill_at: int = 20, fsdp: bool = False, raise_at: bool = False
+) -> dict[str, Any]:
     """kill -9 of rank 1 under --hot-recovery at step `kill_at`; kill to the first step after.
-    With `fsdp` the replacement's shards come from its buddy's replica."""
+    With `fsdp` the replacement's shards come from its buddy's replica. `raise_at`: instead
+    of the kill, rank 1's forward raises at that step (chaos) and the rank is replaced hot;
+    timed from the fault."""
     cmd = _cmd(base, width, 10.0, "--steps", str(kill_at + 15), "--save-every=5", "--sync")
     cmd[4:4] = ["--hot-recovery", "--monitor-interval=0.05"]
     cmd += ["--sleep=0.05", "--fsdp" if fsdp else "--micro"]
+    if raise_at:
+        cmd += [f"--fault=raise@rank=1,step={kill_at},phase=forward"]
     base.mkdir(parents=True, exist_ok=True)
     run_dir, rec = base / "run", base / "rec"
     env = {**_env(), "RESILIENT_SNAPSHOT": json.dumps({"enabled": True})}
@@ -250,7 +260,8 @@ def _hot_kill(base: Path, width: int, kill_at: int = 20, fsdp: bool = False) -> 
                 key=lambda e: e["_t"],
             )["pid"]
             t_kill = time.time()
-            os.kill(int(pid), signal.SIGKILL)
+            if not raise_at:
+                os.kill(int(pid), signal.SIGKILL)
             code = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
@@ -258,6 +269,8 @@ def _hot_kill(base: Path, width: int, kill_at: int = 20, fsdp: bool = False) -> 
                 proc.wait()
     if code != 0:
         raise SystemExit(f"the hot launch exited {code}; see {base / 'launcher.log'}")
+    if raise_at:
+        t_kill = min(e["time"] for e in _events(run_dir, "chaos.fault"))
     detect = [e for e in _events(run_dir, "recovery.hot.detect") if e["_t"] >= t_kill - 0.01]
     replace = _events(run_dir, "recovery.hot.replace")
     formed = _events(run_dir, "recovery.hot.formed")
@@ -505,8 +518,11 @@ def main() -> None:
     )
     total = statistics.median(c["total_s"] for c in cycles)
     # hot path: in-place rollback of an exception, against its cold path, same model
-    hot_ex = cold_ex = None  # the in-place rollback of an exception is DDP's only
-    if not args.fsdp:
+    # (FSDP2: no rollback in place; the failing rank is replaced hot, against a cold restart)
+    if args.fsdp:
+        hot_ex = _hot_kill(base / "exception-hot", width, 12, fsdp=True, raise_at=True)
+        cold_ex = _exception_recovery(base / "exception-cold", width, False, 12, "--fsdp")
+    else:
         hot_ex = _exception_recovery(base / "exception-hot", width, True, 12)
         cold_ex = _exception_recovery(base / "exception-cold", width, False, 12)
     hot_kills = [_hot_kill(base / f"kill-hot-{i}", width, fsdp=args.fsdp) for i in range(kills)]
@@ -516,7 +532,7 @@ def main() -> None:
     overhead = _snapshot_overhead(
         base, width, 30 if args.quick else 100, 1 if args.quick else 2, args.fsdp
     )
-    print(f"exception, in-place rollback: {hot_ex}")
+    print(f"exception, {'hot replacement' if args.fsdp else 'in-place rollback'}: {hot_ex}")
     print(f"exception, cold restart: {cold_ex}")
     print(f"snapshot overhead: {overhead}")
     agree = [r["agree_us"] for r in _records(rec) if "agree_us" in r]
