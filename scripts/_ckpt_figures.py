@@ -181,6 +181,20 @@ def report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "baseline_step_s": base,
         "step_during_save_s": median(during),
     }
+    live = res.get("async_live")
+    if live:
+        live_stalls = [r["window"] - len(r["step_times"]) * base for r in live]
+        live_cpu = [r["cpu"] - len(r["step_times"]) * base_cpu for r in live]
+        summary["live_blocked_over_sync_dcp"] = median([r["blocked"] for r in live]) / med["dcp"]
+        summary["live_effective_stall_over_sync"] = median(live_stalls) / med["sync"]
+        summary["live_extra_cpu_s"] = median(live_cpu)
+        lines.append(
+            f"prototype, no staging (write from the live tensors, the fence holds the step): "
+            f"blocked median {median([r['blocked'] for r in live]):.4f} s (fence "
+            f"{median([r['fence'] for r in live]):.4f}), effective stall median "
+            f"{median(live_stalls):.3f} s = {summary['live_effective_stall_over_sync']:.3f} x "
+            f"sync; extra CPU {median(live_cpu):.2f} s"
+        )
     lines += [
         "",
         "targets:",

@@ -105,9 +105,16 @@ class Bench:
         # wait_staged(). Timed here, because the time it blocks is time the loop is blocked.
         self.fence_s = 0.0
 
+        # --live: a prototype measured beside the product (v_async_live), not in it
+        self.live: Any = None
+        self.mgr_live = mgr(self.work / "live", group) if self.args.live else None
+
         def fence(*_: Any) -> None:
             t0 = time.perf_counter()
             self.mgr.wait_staged()
+            if self.live is not None:  # the prototype's fence holds until the write is done
+                self.live.result()
+                self.live = None
             self.fence_s += time.perf_counter() - t0
 
         self.opt.register_step_pre_hook(fence)
@@ -413,6 +420,51 @@ class Bench:
             "events": self.last_commit(),
         }
 
+    def v_async_live(self) -> dict[str, Any]:
+        """Prototype for issue 12's effective stall, not the product: no staging copy. The
+        save writes straight from the live tensors on a thread of its own, and the fence
+        (the optimizer's pre-step hook) holds the loop until the write is done, so nothing
+        changes a tensor under it. Timed as v_async."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        assert self.mgr_live is not None
+        self.settle()
+        self.fence_s = 0.0
+        step = self.step
+        c0 = self.cpu_now()
+        t0 = time.perf_counter()
+        sd = self.state.to_state_dict(step=step, rank=self.rank)
+        pool = ThreadPoolExecutor(max_workers=1)
+        self.live = pool.submit(self.mgr_live._write_and_commit, sd, step, t0, staged_at=t0)
+        in_save = time.perf_counter() - t0
+        step_times = []
+        while True:
+            ts = time.perf_counter()
+            self.train_step()
+            busy = self.any_rank(self.live is not None and not self.live.done())
+            step_times.append(time.perf_counter() - ts)
+            if not busy:
+                break
+        window = time.perf_counter() - t0
+        cpu = self.sum_ranks(self.cpu_now() - c0)
+        if self.live is not None:
+            self.live.result()
+            self.live = None
+        pool.shutdown()
+        blocked = in_save + self.fence_s
+        t = self.torch.tensor([blocked, in_save, self.fence_s], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.ctrl)
+        self.check(self.mgr_live, step)
+        self.clear(self.work / "live")
+        return {
+            "blocked": float(t[0]),
+            "in_save": float(t[1]),
+            "fence": float(t[2]),
+            "window": window,
+            "cpu": cpu,
+            "step_times": step_times,
+        }
+
     def _dd(self, path: Path, nbytes: int) -> None:
         subprocess.run(
             [
@@ -511,6 +563,8 @@ class Bench:
             variants = ["async", "sync", "dcp", "torch_save", "dd1", "dd2", "steps", "reshard"]
             if self.args.breakdown:
                 variants += BREAKDOWN
+            if self.args.live:
+                variants.insert(1, "async_live")
         self.done_sync: list[int] = []
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in [*variants, "write2"]}
         for rep in range(self.args.reps):

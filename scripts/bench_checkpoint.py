@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="rows per step per rank")
     p.add_argument("--write-threads", type=int, default=1, help="CheckpointConfig.write_threads")
     p.add_argument(
+        "--live",
+        action="store_true",
+        help="also time a prototype async save without staging: it writes from the live "
+        "tensors and the optimizer's fence holds the step until the write is done",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="also time the parts of a sync save: DCP without fsync, DCP and our writer with "
