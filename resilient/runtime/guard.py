@@ -244,21 +244,23 @@ class Guard:
         if wd.verdict_pending():
             wd.wait_for_verdict(1.0)
         kind = _classify(exc)
-        if kind != "peer" and self.hot_own is not None and not self.stop_requested():
+        step, phase = wd.progress.step, wd.progress.phase.name.lower()
+        if kind != "peer":  # this rank's own failure
+            hot = self.hot_own is not None and not self.stop_requested()
             self._log.error(
                 "guard.failure",
                 kind=kind,
-                step=wd.progress.step,
-                phase=wd.progress.phase.name.lower(),
+                step=step,
+                phase=phase,
                 error=_short(exc),
-                action="hot replacement",
                 exc_info=exc,
+                **({"action": "hot replacement"} if hot else {}),
             )
-            if kind == "oom":  # the next generation starts at twice the split
+            if kind == "oom":  # the next attempt, or generation, starts at twice the split
                 self._carry(self.split * 2, reason="oom", rank=self.ctx.rank)
-            self.hot_own(exc, kind, self.split)  # exits this process alone, or returns: cold
+            if hot and self.hot_own is not None:
+                self.hot_own(exc, kind, self.split)  # exits this process alone, or: cold
         self.failing = True
-        step, phase = wd.progress.step, wd.progress.phase.name.lower()
         if kind == "peer":
             self._log.warning("guard.peer_error", step=step, phase=phase, error=_short(exc))
             if self.hot is not None and not self.stop_requested():
@@ -276,11 +278,6 @@ class Guard:
                 expect_acks=self.ctx.world_size - 1,
             )
         oom = kind == "oom"
-        self._log.error(
-            "guard.failure", kind=kind, step=step, phase=phase, error=_short(exc), exc_info=exc
-        )
-        if oom:
-            self._carry(self.split * 2, reason="oom", rank=self.ctx.rank)
         wd.report_failure(oom=oom)
         wd.abort(
             kind="failure",
