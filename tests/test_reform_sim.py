@@ -7,8 +7,9 @@ loopback measured 7-21 us for check/add under load 13-16; 10 us is used). What t
 counts is what the design in docs/hot-recovery.md sends: every survivor announces itself for
 generation g+1 (one add), waits for the generation to be complete (one blocking wait, released
 by one set), and the training group's bootstrap exchanges one id through the store (NCCL: one
-set, N-1 gets). gloo's full-mesh rendezvous, which the side groups use today, sends N(N-1)
-gets: the simulation shows why they cannot be re-formed eagerly at this size.
+set, N-1 gets). gloo's full-mesh rendezvous, an eager gloo group's, sends N(N-1) gets: the
+simulation shows why the side groups cannot be formed eagerly at this size, and what they
+cost now that they connect lazily (runtime/_torch_compat.py, lazy_gloo_connections).
 """
 
 from __future__ import annotations
@@ -78,8 +79,27 @@ def test_reforming_16384_ranks_under_a_new_generation_costs_well_under_a_second(
     print(f"{N} ranks: {ops} store ops, store time after the last notice {t_store:.3f} s")
     assert ops == 3 * N + 1
     assert t_store < 1.0  # about 3N x 10 us = 0.5 s of serialised store work
-    # gloo's eager full mesh (what dist.new_group(backend="gloo") does today), per group
+    # gloo's eager full mesh (dist.new_group(backend="gloo") by default), per group
     full_mesh_ops = N + N * (N - 1)
     full_mesh_s = full_mesh_ops * OP_S
     print(f"a gloo side group, full mesh: {full_mesh_ops:.3g} ops, {full_mesh_s / 60:.0f} min")
-    assert full_mesh_s > 30 * 60  # 45 min: a side group must not be rebuilt eagerly at scale
+    assert full_mesh_s > 30 * 60  # 45 min: a side group must not be formed eagerly at scale
+
+
+def test_lazily_connected_side_groups_at_16384_ranks_cost_seconds() -> None:
+    """Our side groups connect a pair of ranks at its first collective between them. What a
+    group then sends through the store: each rank's address at creation (one set), and one
+    get per pair that ever connects. Measured at 8 and 16 ranks (tests/test_torch_compat.py,
+    docs/hot-recovery.md): a ring all-reduce or all-gather connects each rank to its
+    neighbours, a barrier to log2(N) ranks more. The replica group connects buddies only."""
+    log_n = int(np.log2(N))
+    control_ops = N + N * (1 + log_n)  # all-reduces, all-gathers, barriers
+    replica_ops = N + N  # send/recv with the buddy
+    full_mesh_ops = N + N * (N - 1)
+    print(
+        f"lazy side groups at {N} ranks: control {control_ops:.3g} ops "
+        f"({control_ops * OP_S:.1f} s), replica {replica_ops:.3g} ops "
+        f"({replica_ops * OP_S:.2f} s); eager {full_mesh_ops:.3g} ops each"
+    )
+    assert control_ops * OP_S < 5.0  # seconds of store work, spread over the first collectives
+    assert full_mesh_ops / control_ops > 900  # three orders of magnitude fewer

@@ -48,3 +48,64 @@ def test_peer_loss_texts() -> None:
     assert barrier_missing_ranks("Ranks 1, 3 failed to pass monitoredBarrier in 3000 ms") == [1, 3]
     assert barrier_missing_ranks("Rank 2 failed to pass monitoredBarrier in 3000 ms") == [2]
     assert barrier_missing_ranks("something else") is None
+
+
+def _sockets() -> int:
+    import contextlib
+    import os
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return n
+
+
+def _lazy_worker(rank: int, port: int, out: str) -> None:
+    import json
+    from datetime import timedelta
+    from pathlib import Path
+
+    from resilient.runtime._torch_compat import lazy_gloo_connections
+
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+    counts = {}
+    for mode in ("eager", "lazy"):
+        dist.barrier()
+        before = _sockets()
+        if mode == "lazy":
+            with lazy_gloo_connections():
+                group = dist.new_group(backend="gloo")
+        else:
+            group = dist.new_group(backend="gloo")
+        counts[mode] = _sockets() - before  # its listener, and the pairs connected so far
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        counts[f"{mode}_sum"] = int(t.item())
+    Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_this_torch_connects_side_groups_lazily(tmp_path) -> None:
+    """TORCH_GLOO_LAZY_INIT (lazy_gloo_connections) is honoured: on 3 ranks a group made
+    inside opens only its listener, one made outside opens a connection to both peers too;
+    both reduce correctly, and the variable is put back."""
+    import json
+    import os
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from resilient.runtime._torch_compat import GLOO_LAZY_INIT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_lazy_worker, args=(port, str(tmp_path)), nprocs=3, start_method="spawn")
+    for r in range(3):
+        counts = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert counts["lazy"] < counts["eager"] and counts["eager"] >= 3, counts
+        assert counts["lazy_sum"] == counts["eager_sum"] == 3
+    assert GLOO_LAZY_INIT not in os.environ

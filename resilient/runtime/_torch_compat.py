@@ -18,13 +18,24 @@
   these errors for real. A changed text is not silent either: the failure is then reported
   as the rank's own exception (ExitCode.RANK_EXCEPTION) instead of PEER_LOST.
 
+- `TORCH_GLOO_LAZY_INIT`, the environment variable torch's gloo backend reads when a group
+  is created: set, the group connects each pair of ranks at its first collective between
+  them instead of every pair at creation. Our side groups are made with it
+  (`lazy_gloo_connections`): a full mesh through the store is N(N-1) lookups, 45 minutes at
+  16,384 ranks (docs/hot-recovery.md). It is a variable, not a name, so it cannot be checked
+  at import: a torch that ignores it makes eager groups, which work, only slower to set up.
+  tests/test_torch_compat.py checks that this torch honours it.
+
 A torch without one of the names fails here, at import, with TorchCompatError naming the
 torch version and the feature (resilient/_torch_check.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+from collections.abc import Iterator
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -38,6 +49,7 @@ __all__ = [
     "has_python_comm_hook",
     "has_rebuilt_buckets",
     "is_peer_loss_message",
+    "lazy_gloo_connections",
     "match_backward_all_reduce",
     "push_all_rebuilt_params",
     "rebuild_buckets",
@@ -144,3 +156,23 @@ def barrier_missing_ranks(text: str) -> list[int] | None:
     if match is None:
         return None
     return [int(r) for r in match.group(1).replace(" ", "").split(",") if r]
+
+
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def lazy_gloo_connections() -> Iterator[None]:
+    """gloo groups created inside connect a pair of ranks at its first collective between
+    them: a ring all-reduce or all-gather then connects each rank to its two neighbours, a
+    barrier to log2(N) more, not to all N-1 (measured at 8 and 16 ranks,
+    docs/hot-recovery.md). Only for groups made in the block: the variable is put back."""
+    old = os.environ.get(GLOO_LAZY_INIT)
+    os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(GLOO_LAZY_INIT, None)
+        else:
+            os.environ[GLOO_LAZY_INIT] = old

@@ -36,6 +36,7 @@ from resilient.envvars import (
     worker_store_prefix,
 )
 from resilient.errors import ConfigError
+from resilient.runtime._torch_compat import lazy_gloo_connections
 
 __all__ = [
     "ENV_ATTEMPT",
@@ -120,8 +121,9 @@ def init_distributed(
             backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
         )
     side = timedelta(seconds=side_timeout_s)
-    control = dist.new_group(backend="gloo", timeout=side)
-    ckpt = dist.new_group(backend="gloo", timeout=side)
+    with lazy_gloo_connections():  # pairs connect at first use: O(N log N), not N(N-1)
+        control = dist.new_group(backend="gloo", timeout=side)
+        ckpt = dist.new_group(backend="gloo", timeout=side)
     return DistContext(
         rank=rank,
         world_size=world,

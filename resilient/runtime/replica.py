@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from resilient.log import get_logger
+from resilient.runtime._torch_compat import lazy_gloo_connections
 from resilient.runtime.dist import DistContext
 from resilient.runtime.placement import buddies
 
@@ -213,7 +214,8 @@ class BuddyReplicas:
         b = buddies([str(h) for h in hosts])
         self.buddy = int(b[self.ctx.rank])
         self.ward = int(next(r for r in range(len(b)) if int(b[r]) == self.ctx.rank))
-        self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        with lazy_gloo_connections():  # only buddy pairs ever connect: O(N), not N(N-1)
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         self._log.info("snapshot.replica", buddy=self.buddy, ward=self.ward)
 
     def send(self, step: int, snapshot: dict[str, Any]) -> None:
