@@ -378,47 +378,57 @@ class Bench:
         self.clear(self.work / "solo")
         return {k: v["seconds"] for k, v in out.items()}
 
-    def v_async(self) -> dict[str, Any]:
-        """save() then train until every rank's save has committed.
+    def _train_through_save(
+        self, start: Callable[[int, float], None], in_flight: Callable[[], bool]
+    ) -> tuple[dict[str, Any], int]:
+        """Start a save of the current step, then train until no rank has it in flight.
 
-        blocked: time in save() plus time in the fence. effective stall: wall time from
-        save() to the end of the first step after which no rank has a save in flight,
-        minus that many baseline steps (computed later, once the baseline is known).
-        """
+        blocked: time in `start` plus time in the fence. effective stall: wall time from
+        `start` to the end of the first step after which no rank has a save in flight,
+        minus that many baseline steps (computed later, once the baseline is known)."""
         self.settle()
         self.fence_s = 0.0
         step = self.step
         c0 = self.cpu_now()
         t0 = time.perf_counter()
-        self.mgr.save(self.state, step)
+        start(step, t0)
         in_save = time.perf_counter() - t0
         step_times = []
         while True:
             ts = time.perf_counter()
             self.train_step()
-            busy = self.any_rank(self.mgr.in_flight)
+            busy = self.any_rank(in_flight())
             step_times.append(time.perf_counter() - ts)
             if not busy:
                 break
         window = time.perf_counter() - t0
         cpu = self.sum_ranks(self.cpu_now() - c0)
-        self.mgr.wait()  # raises if the save failed
-        blocked = in_save + self.fence_s
-        t = self.torch.tensor([blocked, in_save, self.fence_s], dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.ctrl)
-        size = dir_bytes(self.ours_root) if self.rank == 0 else 0
-        self.check(self.mgr, step)
-        self.clear(self.ours_root)
         return {
-            "blocked": float(t[0]),
-            "in_save": float(t[1]),
-            "fence": float(t[2]),
+            "in_save": in_save,
+            "fence": self.fence_s,
             "window": window,
             "cpu": cpu,
             "step_times": step_times,
-            "bytes": size,
-            "events": self.last_commit(),
-        }
+        }, step
+
+    def _slowest(self, r: dict[str, Any]) -> dict[str, Any]:
+        """The blocked time and its parts of the rank that was blocked longest."""
+        blocked = r["in_save"] + r["fence"]
+        t = self.torch.tensor([blocked, r["in_save"], r["fence"]], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.ctrl)
+        return {**r, "blocked": float(t[0]), "in_save": float(t[1]), "fence": float(t[2])}
+
+    def v_async(self) -> dict[str, Any]:
+        """The product's async save: save(), then train until every rank's save committed."""
+        r, step = self._train_through_save(
+            lambda step, _t0: self.mgr.save(self.state, step), lambda: self.mgr.in_flight
+        )
+        self.mgr.wait()  # raises if the save failed
+        r = self._slowest(r)
+        size = dir_bytes(self.ours_root) if self.rank == 0 else 0
+        self.check(self.mgr, step)
+        self.clear(self.ours_root)
+        return {**r, "bytes": size, "events": self.last_commit()}
 
     def v_async_live(self) -> dict[str, Any]:
         """Prototype for issue 12's effective stall, not the product: no staging copy. The
@@ -427,43 +437,25 @@ class Bench:
         changes a tensor under it. Timed as v_async."""
         from concurrent.futures import ThreadPoolExecutor
 
-        assert self.mgr_live is not None
-        self.settle()
-        self.fence_s = 0.0
-        step = self.step
-        c0 = self.cpu_now()
-        t0 = time.perf_counter()
-        sd = self.state.to_state_dict(step=step, rank=self.rank)
+        mgr = self.mgr_live
+        assert mgr is not None
         pool = ThreadPoolExecutor(max_workers=1)
-        self.live = pool.submit(self.mgr_live._write_and_commit, sd, step, t0, staged_at=t0)
-        in_save = time.perf_counter() - t0
-        step_times = []
-        while True:
-            ts = time.perf_counter()
-            self.train_step()
-            busy = self.any_rank(self.live is not None and not self.live.done())
-            step_times.append(time.perf_counter() - ts)
-            if not busy:
-                break
-        window = time.perf_counter() - t0
-        cpu = self.sum_ranks(self.cpu_now() - c0)
+
+        def start(step: int, t0: float) -> None:
+            sd = self.state.to_state_dict(step=step, rank=self.rank)
+            self.live = pool.submit(mgr._write_and_commit, sd, step, t0, staged_at=t0)
+
+        r, step = self._train_through_save(
+            start, lambda: self.live is not None and not self.live.done()
+        )
         if self.live is not None:
-            self.live.result()
+            self.live.result()  # raises if the save failed
             self.live = None
         pool.shutdown()
-        blocked = in_save + self.fence_s
-        t = self.torch.tensor([blocked, in_save, self.fence_s], dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.ctrl)
-        self.check(self.mgr_live, step)
+        r = self._slowest(r)
+        self.check(mgr, step)
         self.clear(self.work / "live")
-        return {
-            "blocked": float(t[0]),
-            "in_save": float(t[1]),
-            "fence": float(t[2]),
-            "window": window,
-            "cpu": cpu,
-            "step_times": step_times,
-        }
+        return r
 
     def _dd(self, path: Path, nbytes: int) -> None:
         subprocess.run(
