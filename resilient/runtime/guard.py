@@ -16,7 +16,9 @@ Why this never deadlocks. A rank that raises must not wait where its peers canno
 - `rt.guard()`, and FSDP or any model that may hold collectives inside its forward: the
   failing rank publishes a verdict through the store; every rank's watchdog thread, which
   never joins a collective, carries it out (os._exit) within one heartbeat interval, also on
-  ranks blocked in a collective. No collective is needed to agree.
+  ranks blocked in a collective. No collective is needed to agree. Under hot recovery the
+  failing rank leaves alone instead and is replaced warm (runtime/hot.py,
+  leave_for_replacement); the same failure again at the same step takes the verdict.
 - `micro_batches` with DDP: DDP's forward holds no collective once the first micro-batch
   started (its buffer broadcast comes first; micro-batches but the last run under no_sync;
   its one bucket rebuild is done at track() and after a reset, runtime/_ddp.py), and
