@@ -94,16 +94,14 @@ def test_this_torch_connects_side_groups_lazily(tmp_path) -> None:
     both reduce correctly, and the variable is put back."""
     import json
     import os
-    import socket
 
     import torch.multiprocessing as mp
+    from helpers import free_port
 
     from resilient.runtime._torch_compat import GLOO_LAZY_INIT
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_lazy_worker, args=(port, str(tmp_path)), nprocs=3, start_method="spawn")
+    args = (free_port(), str(tmp_path))
+    mp.start_processes(_lazy_worker, args=args, nprocs=3, start_method="spawn")
     for r in range(3):
         counts = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert counts["lazy"] < counts["eager"] and counts["eager"] >= 3, counts
