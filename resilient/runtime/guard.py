@@ -248,7 +248,7 @@ class Guard:
         kind = _classify(exc)
         step, phase = wd.progress.step, wd.progress.phase.name.lower()
         if kind != "peer":  # this rank's own failure
-            hot = self.hot_own is not None and not self.stop_requested()
+            hot_own = None if self.stop_requested() else self.hot_own
             self._log.error(
                 "guard.failure",
                 kind=kind,
@@ -256,12 +256,12 @@ class Guard:
                 phase=phase,
                 error=_short(exc),
                 exc_info=exc,
-                **({"action": "hot replacement"} if hot else {}),
+                **({"action": "hot replacement"} if hot_own is not None else {}),
             )
             if kind == "oom":  # the next attempt, or generation, starts at twice the split
                 self._carry(self.split * 2, reason="oom", rank=self.ctx.rank)
-            if hot and self.hot_own is not None:
-                self.hot_own(exc, kind, self.split)  # exits this process alone, or: cold
+            if hot_own is not None:
+                hot_own(exc, kind, self.split)  # exits this process alone, or: cold
         self.failing = True
         if kind == "peer":
             self._log.warning("guard.peer_error", step=step, phase=phase, error=_short(exc))

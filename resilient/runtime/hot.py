@@ -204,19 +204,17 @@ def leave_for_replacement(rt: Runtime, exc: BaseException, *, kind: str, split: 
     otherwise be replaced until --hot-max ran out."""
     log = get_logger()
     store, gen, step = rt.ctx.base_store, generation(), rt.watchdog.progress.step
+    assert store is not None  # the Runtime sets this path only with the launcher's store
     prefix = store_prefix()
     reason = None
-    if store is None or not rt.ctx.distributed:
-        reason = "no store"
-    else:
-        try:
-            times = int(store.add(f"{prefix}/raised/{rt.rank}/{step}/{kind}/{split}", 1))
-            if times > rt.snapshots.config.max_retries_per_step:
-                reason = f"the same failure at the same step again ({times} times)"
-            elif gen and not store.check([f"{prefix}/gen_{gen}/formed"]):
-                reason = f"a failure while generation {gen} was still forming"
-        except (RuntimeError, dist.DistError, ValueError) as e:
-            reason = f"the store failed: {e}"
+    try:
+        times = int(store.add(f"{prefix}/raised/{rt.rank}/{step}/{kind}/{split}", 1))
+        if times > rt.snapshots.config.max_retries_per_step:
+            reason = f"the same failure at the same step again ({times} times)"
+        elif gen and not store.check([f"{prefix}/gen_{gen}/formed"]):
+            reason = f"a failure while generation {gen} was still forming"
+    except (RuntimeError, dist.DistError, ValueError) as e:
+        reason = f"the store failed: {e}"
     if reason is not None:
         log.error(ev.ROLLBACK_REFUSED, step=step, failed_rank=rt.rank, reason=reason, hot=True)
         return
