@@ -34,6 +34,7 @@ __all__ = [
     "RECOVERY_HOT_AWAIT",
     "RECOVERY_HOT_DETECT",
     "RECOVERY_HOT_FORMED",
+    "RECOVERY_HOT_KILL",
     "RECOVERY_HOT_REPLACE",
     "RECOVERY_HOT_SPARE",
     "RESUME_DIVERGED",
@@ -99,6 +100,8 @@ RECOVERY_HOT_AWAIT = "recovery.hot.await"
 RECOVERY_HOT_DETECT = "recovery.hot.detect"
 RECOVERY_HOT_REPLACE = "recovery.hot.replace"
 RECOVERY_HOT_FORMED = "recovery.hot.formed"
+RECOVERY_HOT_KILL = "recovery.hot.kill"
+"""An agent SIGKILLed its worker that a hot verdict named and that could not leave by itself."""
 RECOVERY_HOT_SPARE = "recovery.hot.spare"
 """The agent started its next warm spare after a hot replacement (and why then)."""
 RECOVERY_COLD = "recovery.cold"

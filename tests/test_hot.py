@@ -10,14 +10,17 @@ and that nothing is left running.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import GUARDED_WORKER, Launcher, run_cmd, run_events
 
+from chaos.netns import Hosts, netns_unavailable
+from chaos.procs import spawn
 from resilient.exitcodes import ExitCode
-from resilient.proctree import alive
+from resilient.proctree import alive, kill_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -387,3 +390,86 @@ def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
     formed = _events(tmp_path, "recovery.hot.formed")
     assert sorted(e["rank"] for e in formed) == [0, 1]
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+
+
+def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
+    golden: dict[int, str], tmp_path: Path
+) -> None:
+    """Two hosts (network and UTS namespaces: addresses and host names of their own), one
+    rank and one `resilient run --hot-recovery` each. Rank 1, on host B, is SIGSTOPped in its
+    forward at step 5. Rank 0's watchdog names it silent in a hot verdict, but a process on
+    another host is out of its reach: B's agent reads the verdict in the store and kills its
+    worker, then replaces it warm under the generation it claims there. Rank 0 keeps its
+    process; the run ends bitwise equal."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    hosts = Hosts()
+    procs: list[subprocess.Popen[bytes]] = []
+    runs = [tmp_path / "runA", tmp_path / "runB"]
+    env = {
+        "RESILIENT_WATCHDOG": json.dumps({**WATCHDOG, "heartbeat_timeout_s": 3.0}),
+        "RESILIENT_SNAPSHOT": json.dumps({"enabled": True, "every_steps": 1}),
+        # torchrun sets this only for several workers per node; the golden run had two
+        "OMP_NUM_THREADS": "1",
+    }
+
+    def agent(i: int) -> subprocess.Popen[bytes]:
+        prefix = hosts.exec_prefix(i)
+        if i == 1:  # a host name of its own: rank 0 must see another host
+            prefix += ["unshare", "--uts", "sh", "-c", 'hostname hot-host-b && exec "$@"', "sh"]
+        cmd = [
+            *prefix,
+            *run_cmd(
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={hosts.addr[0]}:29400",
+                "--rdzv-id=hot-two-hosts",
+                f"--rdzv-conf=is_host={int(i == 0)},join_timeout=60",
+                f"--local-addr={hosts.addr[i]}",
+                f"--run-dir={runs[i]}",
+                "--hot-recovery",
+                "--monitor-interval=0.05",
+                "-m", "chaos.inject", "--fault", "stop@rank=1,step=5,phase=forward", "--",
+                GUARDED_WORKER,
+                "--mode", "micro", "--steps", str(STEPS), "--workers", "0",
+                "--ckpt-dir", str(tmp_path / "ckpt"), "--run-dir", str(runs[i]),
+            ),
+        ]  # fmt: skip
+        with (tmp_path / f"{'AB'[i]}.log").open("wb") as out:
+            p = spawn(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(p)
+        return p
+
+    try:
+        hosts.up()
+        a, b = agent(0), agent(1)
+        code_a, code_b = a.wait(timeout=150), b.wait(timeout=60)
+    finally:
+        hosts.down()
+        for p in procs:
+            kill_tree(p.pid, groups=(p.pid,))
+    logs = [(tmp_path / f"{h}.log").read_text()[-3000:] for h in "AB"]
+    assert (code_a, code_b) == (0, 0), logs
+    digest = json.loads((runs[0] / "final_digest.json").read_text())["digest"]
+    assert digest == golden[2]
+    # not known to be stopped (another host): a lost peer, not a hang
+    (found,) = run_events(runs[0], "fault.detected")
+    assert (found["ranks"], found["hot"], found["kind"]) == ([1], True, "no_heartbeat"), found
+    assert found["named"][0]["host"] == "hot-host-b", found
+    assert found["named"][0]["state"].startswith("unknown"), found  # so rank 0 did not kill it
+    (kill,) = run_events(runs[1], "recovery.hot.kill")
+    assert (kill["rank"], kill["kind"], kill["generation"]) == (1, "no_heartbeat", 0), kill
+    (replace,) = run_events(runs[1], "recovery.hot.replace")
+    assert (replace["rank"], replace["exit_code"], replace["generation"]) == (1, -9, 1)
+    formed = [e for run in runs for e in run_events(run, "recovery.hot.formed")]
+    assert sorted(e["rank"] for e in formed) == [0, 1]
+    assert {e["to_step"] for e in formed} == {5}
+    (first, second), _ = [[int(e["pid"]) for e in run_events(run, "runtime.init")] for run in runs]
+    assert first == second  # rank 0 kept its process
+    for run in runs:
+        assert not run_events(run, "recovery.cold")
+        assert not run_events(run, "attempt.start")[1:], "no cold restart"
+        left = [int(e["pid"]) for e in run_events(run, "runtime.init") if alive(int(e["pid"]))]
+        assert not left, f"processes left behind: {left}"

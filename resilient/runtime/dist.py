@@ -69,11 +69,17 @@ class DistContext:
 
 
 def init_distributed(
-    *, backend: str | None = None, timeout_s: float = 1800.0, side_timeout_s: float = 300.0
+    *,
+    backend: str | None = None,
+    timeout_s: float = 1800.0,
+    side_timeout_s: float = 300.0,
+    store: Any = None,
 ) -> DistContext:
     """Join the group torchrun describes in the environment; a single process without it.
 
-    Raises ConfigError when the environment is incomplete. Waits up to `timeout_s` for peers.
+    `store`: this process's existing connection to the launcher's store (a hot re-run keeps
+    it), instead of a new one. Raises ConfigError when the environment is incomplete. Waits
+    up to `timeout_s` for peers.
     """
     restart = int_env(TORCHELASTIC_RESTART_COUNT, 0)
     run_id = os.environ.get(TORCHELASTIC_RUN_ID) or os.environ.get(ENV_RUN_ID) or "local"
@@ -103,15 +109,16 @@ def init_distributed(
     timeout = timedelta(seconds=timeout_s)
     agent_store = os.environ.get(TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
     user_group = dist.is_initialized()
-    # when the user made the group, this is our own client connection to the launcher's store
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int_env("MASTER_PORT", 0),
-        world_size=world,
-        is_master=(rank == 0 and not agent_store and not user_group),
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    if store is None:
+        # when the user made the group, this is our own client connection to the launcher's store
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int_env("MASTER_PORT", 0),
+            world_size=world,
+            is_master=(rank == 0 and not agent_store and not user_group),
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     attempt = os.environ.get(ENV_ATTEMPT) or str(restart)
     prefixed = dist.PrefixStore(worker_store_prefix(attempt, int_env(ENV_GENERATION, 0)), store)
     if user_group:  # use it, add our side groups

@@ -130,6 +130,13 @@ def carried() -> bool:
     return _carry is not None
 
 
+def carried_store() -> Any:
+    """A survivor's connection to the launcher's store, for its re-run (None elsewhere). With
+    several nodes worker rank 0 hosts that store (docs/internals.md#g-rdzv-shared-store): the
+    re-run must go on serving it, not open a second server on the same port."""
+    return None if _carry is None else _carry.store
+
+
 # ---------------------------------------------------------------- the per-rank replica
 def put_replica(store: Any, rank: int, held: dict[int, bytes]) -> None:
     """Keep this rank's per-rank state (RNG, data position: a few KiB) of the snapshot steps

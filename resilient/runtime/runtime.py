@@ -189,6 +189,7 @@ class Runtime(Loops):
             backend=config.backend,
             timeout_s=config.pg_timeout_s,
             side_timeout_s=config.side_timeout_s,
+            store=hot.carried_store(),
         )
         run_dir = (
             config.run_dir or os.environ.get(ENV_RUN_DIR) or os.path.join("runs", self.ctx.run_id)

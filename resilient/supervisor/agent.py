@@ -19,6 +19,10 @@ What changes:
   is published on the workers' store for the survivors, who re-run their script in place
   (resilient/runtime/hot.py). Anything else, or a failure while a generation is still
   forming, takes the restart path below, with a `recovery.cold` event saying why.
+  On several nodes the generations are the store's, not one agent's: each agent claims the
+  next one there (compare-and-set), and a node's agent SIGKILLs its own worker when a hot
+  verdict names it and it cannot leave by itself (stopped, or silent), since the rank that
+  found it may sit on another node and cannot reach the process (`_kill_named`).
 - Every agent of a rendezvous round agrees on one attempt id, exported as RESILIENT_ATTEMPT:
   the workers' per-attempt store prefix. TORCHELASTIC_RESTART_COUNT differs between nodes
   after one rejoins, and a prefix built from it would split the group.
@@ -57,6 +61,11 @@ _ATTEMPT_KEY = "resilient/attempt_id"
 _SPARE_DEFER_MAX_S = 30.0
 """How long after a hot replacement the next spare may wait for the new generation's first
 step (then it starts anyway): see SupervisedAgent._start_spare_when_stepped."""
+_VERDICT_POLL_S = 0.25
+"""How often an agent under hot recovery looks for a hot verdict naming one of its workers."""
+_NAMED_EXIT_GRACE_S = 10.0
+"""How long a worker named by a hot verdict for a stall (its watchdog thread still runs: it
+dumps its stacks and exits by itself) may take before its agent SIGKILLs it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +137,8 @@ class SupervisedAgent(ElasticAgentBase):
         self._spare_after: tuple[int, float] | None = None
         """(generation, monotonic time of its replacement): the next spare starts once that
         generation stepped."""
+        self._verdict_poll_at = 0.0
+        self._named_since: dict[int, float] = {}  # pid -> when a hot verdict first named it
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -150,6 +161,7 @@ class SupervisedAgent(ElasticAgentBase):
         self._handled = False
         self._hot_gen, self._hot_store = 0, None
         self._spare_after = None
+        self._verdict_poll_at, self._named_since = 0.0, {}
         pids = super().start_workers(worker_group)
         if self._spare is not None:
             self._spare.start()  # warm while the group trains: a replacement in waiting
@@ -179,6 +191,8 @@ class SupervisedAgent(ElasticAgentBase):
         if self._spare_after is not None:
             self._start_spare_when_stepped(worker_group)
         pids = self.worker_pids()
+        if pids is not None and self._hot_max and not self._roots:
+            self._kill_named(worker_group, pids)
         if pids is not None and not self._roots:
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
             failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}
@@ -206,22 +220,26 @@ class SupervisedAgent(ElasticAgentBase):
         reason = None
         if len(failed) > 1:
             reason = f"{len(failed)} workers failed at once"
-        elif all(c is not None for c in codes.values()):
+        elif all(c is not None for c in codes.values()) and not self._other_nodes(worker_group):
             reason = "no surviving worker"
-        elif self._hot_gen >= self._hot_max:
-            reason = f"{self._hot_gen} hot recoveries in this attempt (--hot-max)"
         else:
-            reason = self._forming_reason(worker_group)
+            reason = self._forming_reason(worker_group)  # also catches up with other nodes
+        if reason is None and self._hot_gen >= self._hot_max:
+            reason = f"{self._hot_gen} hot recoveries in this attempt (--hot-max)"
+        gen = self._hot_gen + 1
+        if reason is None:
+            reason = self._claim_generation(worker_group, gen)
         rank = worker_group.workers[lr].global_rank
         if reason is not None:
             self._hooks.on_event(
                 ev.RECOVERY_COLD, reason=reason, rank=rank, local_rank=lr, exit_code=code
             )
             return False
-        gen = self._hot_gen + 1
         try:
             pid, warm = self.replace_worker(lr, {ENV_GENERATION: str(gen)}, self._spare)
         except Exception as e:
+            # generation `gen` is published and never forms: the survivors time out and exit,
+            # here at once (the caller stops them) and on other nodes within hot.WAIT_S
             self._hooks.on_event(
                 ev.RECOVERY_COLD,
                 reason=f"the replacement did not start: {e}",
@@ -231,10 +249,10 @@ class SupervisedAgent(ElasticAgentBase):
             )
             return False
         worker_group.workers[lr].id = pid  # torch's monitor checks the group's pids
-        store, prefix = self._hot_workers_store(worker_group), self._hot_prefix()
-        store.set(f"{prefix}/gen_{gen}/replaced", str(rank))
-        store.set(f"{prefix}/gen", str(gen))
-        self._hot_gen = gen
+        with contextlib.suppress(Exception):  # a record for people; nothing reads it
+            self._hot_workers_store(worker_group).set(
+                f"{self._hot_prefix()}/gen_{gen}/replaced", str(rank)
+            )
         self._hooks.on_event(
             ev.RECOVERY_HOT_REPLACE,
             rank=rank,
@@ -275,8 +293,78 @@ class SupervisedAgent(ElasticAgentBase):
                 since_replace_s=round(since, 3),
             )
 
+    @staticmethod
+    def _other_nodes(worker_group: WorkerGroup) -> bool:
+        """Workers of this group run on other nodes too (their agents watch them)."""
+        workers = worker_group.workers
+        return bool(workers) and workers[0].world_size > len(workers)
+
     def _hot_prefix(self) -> str:
         return hot_store_prefix(self.attempt_id)
+
+    def _store_generation(self, store: Any) -> int:
+        """The newest generation published in the workers' store (by any node's agent)."""
+        key = f"{self._hot_prefix()}/gen"
+        return int(bytes(store.get(key))) if store.check([key]) else 0
+
+    def _claim_generation(self, worker_group: WorkerGroup, gen: int) -> str | None:
+        """Publish generation `gen` for the survivors, unless another node's agent published
+        one first (two nodes each lost a worker at once: the group goes cold). Returns why
+        not, or None once published. The workers wait for this key (hot.await_generation)."""
+        try:
+            store = self._hot_workers_store(worker_group)
+            previous = str(gen - 1) if gen > 1 else ""
+            now = bytes(store.compare_set(f"{self._hot_prefix()}/gen", previous, str(gen)))
+        except Exception as e:
+            return f"the workers' store is unreachable: {e}"
+        if now.decode() != str(gen):
+            return f"another node published generation {now.decode()} at the same time"
+        self._hot_gen = gen
+        return None
+
+    def _kill_named(self, worker_group: WorkerGroup, pids: dict[int, int]) -> None:
+        """SIGKILL this node's worker that the current generation's hot verdict names, when it
+        cannot leave by itself: at once when it went silent (stopped, or its threads never
+        run), after _NAMED_EXIT_GRACE_S when it stalled (its watchdog thread exits it). The
+        rank that found it kills it too when both share a host (runtime/verdict.py); on
+        another node nobody else can, and the survivors would wait out hot.WAIT_S and go
+        cold. Polls every _VERDICT_POLL_S; stops polling once the store fails (a lost store
+        host ends the group anyway, and each failed look would block this loop)."""
+        now = time.monotonic()
+        if now < self._verdict_poll_at:
+            return
+        self._verdict_poll_at = now + _VERDICT_POLL_S
+        try:
+            store = self._hot_workers_store(worker_group)
+            self._hot_gen = max(self._hot_gen, self._store_generation(store))
+            key = f"{worker_store_prefix(self.attempt_id, self._hot_gen)}/{WATCHDOG_PREFIX}/verdict"
+            verdict = json.loads(bytes(store.get(key))) if store.check([key]) else None
+        except Exception:
+            self._verdict_poll_at = float("inf")
+            return
+        if not verdict or not verdict.get("hot"):
+            return
+        local = {w.global_rank: w.local_rank for w in worker_group.workers}
+        for rank in verdict.get("ranks", ()):
+            pid = pids.get(local.get(rank, -1))
+            if pid is None or peek_exit(pid) is not None:
+                continue
+            first = self._named_since.setdefault(pid, now)
+            if first == float("inf"):  # killed already
+                continue
+            if verdict.get("kind") != "no_heartbeat" and now - first < _NAMED_EXIT_GRACE_S:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
+            self._named_since[pid] = float("inf")  # once
+            self._hooks.on_event(
+                ev.RECOVERY_HOT_KILL,
+                rank=rank,
+                pid=pid,
+                kind=verdict.get("kind"),
+                reason=verdict.get("reason"),
+                generation=self._hot_gen,
+            )
 
     def _forming_reason(self, worker_group: WorkerGroup) -> str | None:
         """Why a failure now must go cold for the store's sake: the current generation is
@@ -284,6 +372,7 @@ class SupervisedAgent(ElasticAgentBase):
         None when none of these."""
         try:
             store = self._hot_workers_store(worker_group)
+            self._hot_gen = max(self._hot_gen, self._store_generation(store))
             formed = f"{self._hot_prefix()}/gen_{self._hot_gen}/formed"
             if self._hot_gen and not store.check([formed]):
                 return f"a failure while generation {self._hot_gen} was still forming"
