@@ -392,15 +392,10 @@ def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
 
 
-def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
-    golden: dict[int, str], tmp_path: Path
-) -> None:
+def _run_two_hosts(tmp_path: Path, fault: str) -> tuple[list[Path], str]:
     """Two hosts (network and UTS namespaces: addresses and host names of their own), one
-    rank and one `resilient run --hot-recovery` each. Rank 1, on host B, is SIGSTOPped in its
-    forward at step 5. Rank 0's watchdog names it silent in a hot verdict, but a process on
-    another host is out of its reach: B's agent reads the verdict in the store and kills its
-    worker, then replaces it warm under the generation it claims there. Rank 0 keeps its
-    process; the run ends bitwise equal."""
+    rank and one `resilient run --hot-recovery` each, `fault` injected; both must exit 0 and
+    leave no process. Returns the run directories (A, B) and rank 0's final digest."""
     why = netns_unavailable()
     if why:
         pytest.skip(why)
@@ -431,10 +426,13 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
                 f"--run-dir={runs[i]}",
                 "--hot-recovery",
                 "--monitor-interval=0.05",
-                "-m", "chaos.inject", "--fault", "stop@rank=1,step=5,phase=forward", "--",
+                "--restart-backoff=0.2",
+                "--restart-jitter=0",
+                "-m", "chaos.inject", "--fault", fault, "--",
                 GUARDED_WORKER,
                 "--mode", "micro", "--steps", str(STEPS), "--workers", "0",
                 "--ckpt-dir", str(tmp_path / "ckpt"), "--run-dir", str(runs[i]),
+                "--save-every", "4",
             ),
         ]  # fmt: skip
         with (tmp_path / f"{'AB'[i]}.log").open("wb") as out:
@@ -445,14 +443,27 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
     try:
         hosts.up()
         a, b = agent(0), agent(1)
-        code_a, code_b = a.wait(timeout=150), b.wait(timeout=60)
+        codes = a.wait(timeout=150), b.wait(timeout=60)
     finally:
         hosts.down()
         for p in procs:
             kill_tree(p.pid, groups=(p.pid,))
     logs = [(tmp_path / f"{h}.log").read_text()[-3000:] for h in "AB"]
-    assert (code_a, code_b) == (0, 0), logs
-    digest = json.loads((runs[0] / "final_digest.json").read_text())["digest"]
+    assert codes == (0, 0), logs
+    for run in runs:
+        left = [int(e["pid"]) for e in run_events(run, "runtime.init") if alive(int(e["pid"]))]
+        assert not left, f"processes left behind: {left}"
+    return runs, json.loads((runs[0] / "final_digest.json").read_text())["digest"]
+
+
+def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
+    golden: dict[int, str], tmp_path: Path
+) -> None:
+    """Rank 1, on host B, is SIGSTOPped in its forward at step 5. Rank 0's watchdog names it
+    silent in a hot verdict, but a process on another host is out of its reach: B's agent
+    reads the verdict in the store and kills its worker, then replaces it warm under the
+    generation it claims there. Rank 0 keeps its process; the run ends bitwise equal."""
+    runs, digest = _run_two_hosts(tmp_path, "stop@rank=1,step=5,phase=forward")
     assert digest == golden[2]
     # not known to be stopped (another host): a lost peer, not a hang
     (found,) = run_events(runs[0], "fault.detected")
@@ -471,5 +482,32 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
     for run in runs:
         assert not run_events(run, "recovery.cold")
         assert not run_events(run, "attempt.start")[1:], "no cold restart"
-        left = [int(e["pid"]) for e in run_events(run, "runtime.init") if alive(int(e["pid"]))]
-        assert not left, f"processes left behind: {left}"
+
+
+def test_losing_worker_rank_0_of_several_nodes_goes_cold_at_once(
+    golden: dict[int, str], tmp_path: Path
+) -> None:
+    """With several nodes worker rank 0 hosts the workers' store: its kill -9 takes the store
+    with it. A's agent goes cold for that reason, B's node follows within seconds, and the
+    group resumes from the checkpoint of step 4 and ends bitwise equal."""
+    runs, digest = _run_two_hosts(tmp_path, "kill@rank=0,step=6,phase=forward")
+    assert digest == golden[2]
+    (cold_a,) = run_events(runs[0], "recovery.cold")
+    assert "store is unreachable" in cold_a["reason"], cold_a
+    # B's survivor is gone within seconds, instead of waiting out hot.WAIT_S for a store that
+    # is gone: it finds the store failing, or its agent stops it for A's new rendezvous round,
+    # whichever comes first (both agents' store calls fail fast now)
+    (killed,) = run_events(runs[0], "worker.failed")
+    assert killed["exit_code"] == -9, killed
+    _, again = run_events(runs[1], "attempt.start")
+    waited = _seconds(again["ts"]) - _seconds(killed["ts"])
+    assert waited < 15, f"B restarted {waited:.1f} s after rank 0's loss"
+    assert not [e for run in runs for e in run_events(run, "recovery.hot.formed")]
+    resumed = [e for e in run_events(runs[0], "runtime.resume") if e.get("from_checkpoint")]
+    assert [int(e["step"]) for e in resumed] == [4]
+
+
+def _seconds(ts: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()

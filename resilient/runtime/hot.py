@@ -72,6 +72,8 @@ WAIT_S = 30.0
 """How long a survivor waits for the agent's next generation before it gives up (cold)."""
 _DRAIN_S = 10.0
 """How long a survivor waits for an in-flight async save to fail or finish."""
+_STORE_GONE_S = 3.0
+"""How long the store may fail every call before a waiting survivor takes it for gone."""
 
 
 def enabled() -> bool:
@@ -271,18 +273,23 @@ def await_generation() -> int:
     assert _carry is not None
     key = f"{store_prefix()}/gen"
     deadline = time.monotonic() + WAIT_S
+    reason = f"the launcher published no generation {_carry.generation} in {WAIT_S:g} s"
+    failing_since = None
     while time.monotonic() < deadline:
         try:
             if _carry.store.check([key]) and int(bytes(_carry.store.get(key))) >= _carry.generation:
                 _carry.timings["wait_generation_s"] = time.monotonic() - _carry.detected_at
                 return _carry.generation
-        except (RuntimeError, dist.DistError, ValueError):
-            pass  # the store may be briefly unreachable; keep trying until the deadline
+            failing_since = None
+        except (RuntimeError, dist.DistError, ValueError) as e:
+            # briefly unreachable: keep trying; gone (its host, worker rank 0 with several
+            # nodes, was the lost process): no generation can come, so say so now
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= _STORE_GONE_S:
+                reason = f"the launcher's store is unreachable: {str(e)[:200]}"
+                break
         time.sleep(0.005)
-    get_logger().error(
-        ev.RECOVERY_COLD,
-        reason=f"the launcher published no generation {_carry.generation} in {WAIT_S:g} s",
-    )
+    get_logger().error(ev.RECOVERY_COLD, reason=reason)
     os._exit(int(ExitCode.PEER_LOST))
 
 

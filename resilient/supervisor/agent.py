@@ -63,6 +63,9 @@ _SPARE_DEFER_MAX_S = 30.0
 step (then it starts anyway): see SupervisedAgent._start_spare_when_stepped."""
 _VERDICT_POLL_S = 0.25
 """How often an agent under hot recovery looks for a hot verdict naming one of its workers."""
+_STORE_TIMEOUT_S = 2.0
+"""The agent's calls to the workers' store: milliseconds when it is up; torch's client retries
+a refused connection until this timeout, so a store whose host died costs it once."""
 _NAMED_EXIT_GRACE_S = 10.0
 """How long a worker named by a hot verdict for a stall (its watchdog thread still runs: it
 dumps its stacks and exits by itself) may take before its agent SIGKILLs it."""
@@ -133,6 +136,8 @@ class SupervisedAgent(ElasticAgentBase):
         self._hot_max = hot_max
         self._hot_gen = 0
         self._hot_store: Any = None
+        self._hot_store_lost: str | None = None
+        """Why the workers' store failed once: every later use would block for its timeout."""
         self._spare = Spare() if hot_max else None
         self._spare_after: tuple[int, float] | None = None
         """(generation, monotonic time of its replacement): the next spare starts once that
@@ -159,7 +164,7 @@ class SupervisedAgent(ElasticAgentBase):
         os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
         self._roots = {}
         self._handled = False
-        self._hot_gen, self._hot_store = 0, None
+        self._hot_gen, self._hot_store, self._hot_store_lost = 0, None, None
         self._spare_after = None
         self._verdict_poll_at, self._named_since = 0.0, {}
         pids = super().start_workers(worker_group)
@@ -316,7 +321,8 @@ class SupervisedAgent(ElasticAgentBase):
             previous = str(gen - 1) if gen > 1 else ""
             now = bytes(store.compare_set(f"{self._hot_prefix()}/gen", previous, str(gen)))
         except Exception as e:
-            return f"the workers' store is unreachable: {e}"
+            self._hot_store_lost = self._hot_store_lost or str(e)[:300]
+            return f"the workers' store is unreachable: {self._hot_store_lost}"
         if now.decode() != str(gen):
             return f"another node published generation {now.decode()} at the same time"
         self._hot_gen = gen
@@ -328,19 +334,25 @@ class SupervisedAgent(ElasticAgentBase):
         run), after _NAMED_EXIT_GRACE_S when it stalled (its watchdog thread exits it). The
         rank that found it kills it too when both share a host (runtime/verdict.py); on
         another node nobody else can, and the survivors would wait out hot.WAIT_S and go
-        cold. Polls every _VERDICT_POLL_S; stops polling once the store fails (a lost store
-        host ends the group anyway, and each failed look would block this loop)."""
+        cold. Polls every _VERDICT_POLL_S; stops once the store fails (a lost store host
+        ends the group anyway, and each failed look would block this loop)."""
+        if self._hot_store_lost is not None:
+            return
         now = time.monotonic()
         if now < self._verdict_poll_at:
             return
         self._verdict_poll_at = now + _VERDICT_POLL_S
+        reached = self._hot_store is not None
         try:
             store = self._hot_workers_store(worker_group)
             self._hot_gen = max(self._hot_gen, self._store_generation(store))
             key = f"{worker_store_prefix(self.attempt_id, self._hot_gen)}/{WATCHDOG_PREFIX}/verdict"
             verdict = json.loads(bytes(store.get(key))) if store.check([key]) else None
-        except Exception:
-            self._verdict_poll_at = float("inf")
+        except Exception as e:
+            if reached:
+                self._hot_store_lost = str(e)[:300]
+            else:  # not up yet: with several nodes worker rank 0 starts it
+                self._verdict_poll_at = now + 1.0
             return
         if not verdict or not verdict.get("hot"):
             return
@@ -384,11 +396,14 @@ class SupervisedAgent(ElasticAgentBase):
                 if not verdict.get("hot"):
                     return f"the workers' verdict stops the group: {verdict.get('reason')}"
         except Exception as e:  # the store is gone: nothing can re-form through it
-            return f"the workers' store is unreachable: {e}"
+            self._hot_store_lost = self._hot_store_lost or str(e)[:300]
+            return f"the workers' store is unreachable: {self._hot_store_lost}"
         return None
 
     def _hot_workers_store(self, worker_group: WorkerGroup) -> Any:
         """A client of the store the workers use (MASTER_ADDR:MASTER_PORT of their env)."""
+        if self._hot_store_lost is not None:
+            raise RuntimeError(self._hot_store_lost)
         if self._hot_store is None:
             from datetime import timedelta
 
@@ -400,7 +415,7 @@ class SupervisedAgent(ElasticAgentBase):
                 env["MASTER_ADDR"],
                 int(env["MASTER_PORT"]),
                 is_master=False,
-                timeout=timedelta(seconds=10),
+                timeout=timedelta(seconds=_STORE_TIMEOUT_S),
                 wait_for_workers=False,
             )
         return self._hot_store
