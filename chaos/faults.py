@@ -12,6 +12,8 @@ A fault spec is `KIND@key=value,...`:
     kill@rank=1,step=9,phase=replicate       SIGKILL itself while the snapshot of step 9
                                              goes to its buddy (sharded state under hot
                                              recovery), between the header and the tensors
+    stop@rank=2,phase=reform,generation=1    SIGSTOP itself on its way into generation 1
+                                             of a hot recovery (before its groups form)
     oom_exit@rank=1,step=5,phase=forward     exit at once with the OOM exit code (a lost
                                              process, not an exception)
     slow@rank=2,phase=forward,seconds=0.2    sleep that long every step (a straggler)
@@ -80,7 +82,7 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(KINDS)}")
         from resilient.runtime.heartbeat import Phase
 
-        if self.phase not in (SNAPSHOT, REPLICATE):  # not phases: see install
+        if self.phase not in (SNAPSHOT, REPLICATE, REFORM):  # not phases: see install
             Phase.parse(self.phase)  # raises on an unknown phase name
 
     def matches(self, rank: int, restart: int, step: int, phase: str, generation: int = 0) -> bool:
@@ -180,11 +182,16 @@ copy into its buffer and before the buffer is marked complete."""
 REPLICATE = "replicate"
 """A pseudo-phase: the fault fires in the background exchange of the snapshot of step `step`
 with the buddy (runtime/replica.py), after the headers crossed and before any tensor did."""
+REFORM = "reform"
+"""A pseudo-phase: the fault fires as the rank enters the roll call of a new hot-recovery
+generation (hot.roll_call, before its process groups form): a survivor re-running its script,
+or the replacement. Give it `generation=N` (N >= 1) and no step."""
 _installed: list[Fault] = []
 _original: Any = None
 _generation = [0]
 _original_take: Any = None
 _original_swap: Any = None
+_original_roll_call: Any = None
 
 
 def install(faults: list[Fault]) -> None:
@@ -267,11 +274,29 @@ def _wrap_replicas(rank: int, restart: int) -> None:
 
     replica.BuddyReplicas._swap = swap_  # type: ignore[method-assign,assignment]
     replica._fill = fill_
+    _wrap_roll_call(rank, restart)
+
+
+def _wrap_roll_call(rank: int, restart: int) -> None:
+    """Faults with phase=reform fire as the rank enters hot.roll_call (the Runtime looks it
+    up at the call, so replacing the module's function reaches it)."""
+    global _original_roll_call
+    from resilient.runtime import hot
+
+    roll_call = _original_roll_call = hot.roll_call
+
+    def roll_call_(store: Any, rank_: int, world: int, wd: Any) -> None:
+        for f in _installed:
+            if f.matches(rank, restart, -1, REFORM, _generation[0]):
+                f.fire(rank, -1, REFORM)
+        roll_call(store, rank_, world, wd)
+
+    hot.roll_call = roll_call_
 
 
 def uninstall() -> None:
-    global _original, _original_take, _original_swap
-    from resilient.runtime import replica, snapshot
+    global _original, _original_take, _original_swap, _original_roll_call
+    from resilient.runtime import hot, replica, snapshot
     from resilient.runtime.heartbeat import Progress
 
     if _original is not None:
@@ -283,4 +308,7 @@ def uninstall() -> None:
     if _original_swap is not None:
         replica.BuddyReplicas._swap, replica._fill = _original_swap  # type: ignore[method-assign]
         _original_swap = None
+    if _original_roll_call is not None:
+        hot.roll_call = _original_roll_call
+        _original_roll_call = None
     _installed.clear()

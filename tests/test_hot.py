@@ -392,6 +392,38 @@ def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
 
 
+def test_a_survivor_stopped_on_its_way_into_the_new_generation_is_named_and_goes_cold(
+    golden: dict[int, str], tmp_path: Path
+) -> None:
+    """3 ranks: rank 1 is killed at step 5; rank 2, a survivor, SIGSTOPs itself as it enters
+    generation 1 (before its process groups form, where no watchdog runs yet). Rank 0 and
+    the replacement wait at the roll call, find rank 2 stopped after the heartbeat timeout,
+    name it, kill it and go cold, instead of waiting in the process group's rendezvous for
+    pg_timeout_s (30 min). The group restarts cold and ends bitwise equal."""
+    code, err = _run(
+        tmp_path,
+        3,
+        ["kill@rank=1,step=5,phase=forward", "stop@rank=2,phase=reform,generation=1"],
+        "--hot-recovery",
+        worker=("--save-every", "4"),
+        watchdog={"heartbeat_timeout_s": 3.0},
+    )
+    assert code == 0, err[-3000:]
+    assert _digest(tmp_path) == golden[3]
+    (detect,) = [e for e in _events(tmp_path, "recovery.hot.detect") if e["rank"] == 0]
+    # rank 0 or the replacement, whichever looks first (the other may be stopped before)
+    named = [e for e in _events(tmp_path, "recovery.cold") if "did not arrive" in e["reason"]]
+    assert named, _events(tmp_path, "recovery.cold")
+    first = min(named, key=lambda e: e["ts"])
+    assert first["named"][0]["rank"] == 2 and first["named"][0]["state"] == "stopped", first
+    waited = _seconds(first["ts"]) - _seconds(detect["ts"])
+    assert waited < 10, f"the stopped survivor was named {waited:.1f} s after the loss"
+    assert not _events(tmp_path, "recovery.hot.formed")
+    assert len(_events(tmp_path, "attempt.start")) == 2  # one cold restart
+    resumed = [e for e in _events(tmp_path, "runtime.resume") if e.get("from_checkpoint")]
+    assert {int(e["step"]) for e in resumed} == {4}
+
+
 def _run_two_hosts(tmp_path: Path, fault: str) -> tuple[list[Path], str]:
     """Two hosts (network and UTS namespaces: addresses and host names of their own), one
     rank and one `resilient run --hot-recovery` each, `fault` injected; both must exit 0 and

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -68,21 +69,31 @@ class DistContext:
         return self.backend is not None
 
 
+def env_identity() -> tuple[int, int, str]:
+    """(rank, restart, run id) as the launcher's environment gives them: what names this
+    process's log before its process group exists (0, 0, "local" without a launcher)."""
+    restart = int_env(TORCHELASTIC_RESTART_COUNT, 0)
+    run_id = os.environ.get(TORCHELASTIC_RUN_ID) or os.environ.get(ENV_RUN_ID) or "local"
+    rank = int_env("RANK", 0) if "RANK" in os.environ else 0
+    return rank, restart, run_id
+
+
 def init_distributed(
     *,
     backend: str | None = None,
     timeout_s: float = 1800.0,
     side_timeout_s: float = 300.0,
     store: Any = None,
+    before_group: Callable[[Any, int, int], None] | None = None,
 ) -> DistContext:
     """Join the group torchrun describes in the environment; a single process without it.
 
     `store`: this process's existing connection to the launcher's store (a hot re-run keeps
-    it), instead of a new one. Raises ConfigError when the environment is incomplete. Waits
-    up to `timeout_s` for peers.
+    it), instead of a new one. `before_group(store, rank, world)` runs before the process
+    group forms (hot.roll_call). Raises ConfigError when the environment is incomplete.
+    Waits up to `timeout_s` for peers.
     """
-    restart = int_env(TORCHELASTIC_RESTART_COUNT, 0)
-    run_id = os.environ.get(TORCHELASTIC_RUN_ID) or os.environ.get(ENV_RUN_ID) or "local"
+    _, restart, run_id = env_identity()
     host = socket.gethostname()
     if "RANK" not in os.environ:
         return DistContext(
@@ -119,6 +130,8 @@ def init_distributed(
             timeout=timeout,
             wait_for_workers=False,
         )
+    if before_group is not None:
+        before_group(store, rank, world)
     attempt = os.environ.get(ENV_ATTEMPT) or str(restart)
     prefixed = dist.PrefixStore(worker_store_prefix(attempt, int_env(ENV_GENERATION, 0)), store)
     if user_group:  # use it, add our side groups

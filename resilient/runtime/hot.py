@@ -37,27 +37,42 @@ that does not drain, a second loss during recovery (the agent's rule).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
+import signal
+import socket
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 
 from resilient import events as ev
-from resilient.envvars import ENV_ATTEMPT, ENV_GENERATION, ENV_HOT, hot_store_prefix, int_env
+from resilient.envvars import (
+    ENV_ATTEMPT,
+    ENV_GENERATION,
+    ENV_HOT,
+    WATCHDOG_PREFIX,
+    hot_store_prefix,
+    int_env,
+    worker_store_prefix,
+)
 from resilient.exitcodes import ExitCode
 from resilient.log import get_logger
+from resilient.runtime import procinfo
 from resilient.runtime.replica import localize, recv_state, rehydrate, send_state
 
 if TYPE_CHECKING:
     from resilient.runtime.runtime import Runtime
+    from resilient.runtime.watchdog_config import WatchdogConfig
 
 __all__ = [
     "WAIT_S",
     "HotRestart",
     "Resumed",
+    "carried_store",
     "enabled",
     "generation",
     "leave_for_replacement",
@@ -65,6 +80,7 @@ __all__ = [
     "put_replica",
     "restart",
     "resume",
+    "roll_call",
     "store_prefix",
 ]
 
@@ -291,6 +307,81 @@ def await_generation() -> int:
         time.sleep(0.005)
     get_logger().error(ev.RECOVERY_COLD, reason=reason)
     os._exit(int(ExitCode.PEER_LOST))
+
+
+def roll_call(store: Any, rank: int, world: int, wd: WatchdogConfig) -> None:
+    """Generation g >= 1, in init_distributed before its process groups form: say this rank
+    arrived and wait until every rank did. Every rank of g calls it, survivors (re-running
+    their script) and the replacement alike.
+
+    Why: a rank that hangs on its way into the new generation (stopped, or stuck in the
+    set-up code of the script it re-runs) would hold the others in the process group's
+    rendezvous for `pg_timeout_s` (30 min), and no watchdog runs there yet to name it. A
+    missing rank is named as the watchdog names one (runtime/verdict.py): after
+    `heartbeat_timeout_s` when its process is stopped (SIGKILLed, when on this host and
+    `kill_stopped`), after `startup_timeout_s` otherwise, as any set-up phase (it may be a
+    replacement still starting, or a survivor in slow set-up code). This rank then exits
+    PEER_LOST: a failure while the generation forms, so the agent restarts the group cold.
+    Store traffic: one add per rank and one waiting key, whatever the world size."""
+    gen = generation()
+    prefix = f"{store_prefix()}/gen_{gen}/arrived"
+    t0 = time.monotonic()
+    try:
+        store.set(f"{prefix}/{rank}", "1")
+        if int(store.add(f"{prefix}/count", 1)) == world:
+            store.set(f"{prefix}/all", "1")
+    except (RuntimeError, dist.DistError) as e:
+        _leave_forming(gen, f"the launcher's store failed: {str(e)[:200]}")
+    while True:
+        left = t0 + wd.startup_timeout_s - time.monotonic()
+        look = max(0.1, min(wd.heartbeat_timeout_s, left))
+        try:
+            store.wait([f"{prefix}/all"], timedelta(seconds=look))
+            return
+        except (RuntimeError, dist.DistError):
+            pass  # timed out (or the store failed: the look below says which)
+        try:
+            missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+            metas = _last_metas(store, gen - 1, missing)
+        except (RuntimeError, dist.DistError) as e:
+            _leave_forming(gen, f"the launcher's store failed: {str(e)[:200]}")
+        if not missing:  # all arrived meanwhile; the last one's "all" is on its way
+            continue
+        host = socket.gethostname()
+        named = [
+            {"rank": r, "state": procinfo.process_state(metas.get(r, {}), host), **metas.get(r, {})}
+            for r in missing
+        ]
+        stopped = [d for d in named if d["state"] == "stopped"]
+        waited = time.monotonic() - t0
+        if not stopped and waited < wd.startup_timeout_s:
+            continue
+        if wd.kill_stopped:
+            for d in stopped:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(d["pid"]), signal.SIGKILL)
+        what = ", ".join(f"{d['rank']} ({d['state']})" for d in named[:8])
+        _leave_forming(
+            gen, f"rank(s) {what} did not arrive for generation {gen} in {waited:.1f} s", named
+        )
+
+
+def _last_metas(store: Any, gen: int, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    """Host, pid and start time of `ranks` in generation `gen`, from its watchdog's keys."""
+    attempt = os.environ.get(ENV_ATTEMPT, "0")
+    out = {}
+    for r in ranks[:64]:
+        key = f"{worker_store_prefix(attempt, gen)}/{WATCHDOG_PREFIX}/meta/{r}"
+        if store.check([key]):
+            out[r] = json.loads(bytes(store.get(key)))
+    return out
+
+
+def _leave_forming(gen: int, reason: str, named: list[dict[str, Any]] | None = None) -> NoReturn:
+    get_logger().error(ev.RECOVERY_COLD, reason=reason, generation=gen, named=named or [])
+    from resilient.runtime.verdict import hard_exit
+
+    hard_exit(ExitCode.PEER_LOST)
 
 
 def mark_stepped(store: Any) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -39,6 +39,7 @@ from resilient.runtime.batches import ResumableBatches
 from resilient.runtime.dist import (
     DistContext,
     abandon_distributed,
+    env_identity,
     init_distributed,
     shutdown_distributed,
 )
@@ -180,30 +181,39 @@ def _at_least_warning(level: str) -> str:
     return order[max(order.index(level.upper()), 2)]
 
 
+def _roll_call(config: RuntimeConfig) -> Callable[[Any, int, int], None] | None:
+    """Generation >= 1 of hot recovery: every rank waits for the others before the groups
+    form, and names one that does not come (hot.roll_call)."""
+    if not (hot.enabled() and hot.generation() >= 1):
+        return None
+    return lambda store, rank, world: hot.roll_call(store, rank, world, config.watchdog)
+
+
 class Runtime(Loops):
     """Resumable, checkpointed training around a user's loop. Create it with `init()`."""
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
+        # the log first: what happens while the process group forms is logged there too
+        rank, restart, run_id = env_identity()
+        run_dir = config.run_dir or os.environ.get(ENV_RUN_DIR) or os.path.join("runs", run_id)
+        self.run_dir = os.path.abspath(run_dir)
+        self.log_path = log.configure(
+            run_dir=self.run_dir,
+            run_id=run_id,
+            rank=rank,
+            restart=restart,
+            # one voice on the console: other ranks show only warnings and errors
+            console_level=config.console_level
+            if rank == 0
+            else _at_least_warning(config.console_level),
+        )
         self.ctx: DistContext = init_distributed(
             backend=config.backend,
             timeout_s=config.pg_timeout_s,
             side_timeout_s=config.side_timeout_s,
             store=hot.carried_store(),
-        )
-        run_dir = (
-            config.run_dir or os.environ.get(ENV_RUN_DIR) or os.path.join("runs", self.ctx.run_id)
-        )
-        self.run_dir = os.path.abspath(run_dir)
-        self.log_path = log.configure(
-            run_dir=self.run_dir,
-            run_id=self.ctx.run_id,
-            rank=self.ctx.rank,
-            restart=self.ctx.restart,
-            # one voice on the console: other ranks show only warnings and errors
-            console_level=config.console_level
-            if self.ctx.rank == 0
-            else _at_least_warning(config.console_level),
+            before_group=_roll_call(config),
         )
         self.log = log.get_logger()
         self.state = TrainState()
