@@ -236,11 +236,15 @@ class Scenario:
         return key
 
     def splits(self) -> list[tuple[int, int]]:
-        """(step, split): an OOM retried in place doubles the split from its step on; the
-        fault-free run must use the same splits to end with the same bits."""
+        """(step, split): the fault-free run must use the same micro-batch splits to end with
+        the same bits. In hot mode with the DDP recipe (it steps through rt.micro_batches) an
+        OOM doubles the split from its step on: one retried in place, and one outside the
+        forward and backward too, whose rank is replaced and carries the doubled split
+        (runtime/guard.py) into the generation that resumes from the snapshot before its
+        step (snapshots every step in hot mode: chaos/launch.py)."""
         out, split = [], 1
         for f in sorted(self.faults, key=lambda f: f.at_step):
-            if self.hot and expected_recovery(f, True, self.recipe) == "retry":
+            if self.hot and self.recipe != "train_fsdp.py" and f.kind == "oom":
                 split *= 2
                 out.append((f.at_step, split))
         return out

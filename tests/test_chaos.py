@@ -103,6 +103,8 @@ _NOT_IN_MATRIX = {
     # `make soak` runs it (python -m chaos matrix); in CI its paths are tests/test_hot.py's
     # exception tests (a replacement, then the same failure again going cold)
     "hot_fsdp_in_process",
+    # the same: tests/test_hot.py's exception under rt.guard() is its path in CI
+    "hot_outside_step",
 }
 _MATRIX = [p for p in sorted(SCENARIOS.glob("*.toml")) if p.stem not in _NOT_IN_MATRIX]
 
@@ -347,6 +349,11 @@ def test_hot_mode_refuses_cold_only_kinds_and_keeps_fsdp2s_split():
         faults=[Fault(kind="oom", at_step=5), Fault(kind="oom", at_step=9, phase="backward")],
     )
     assert sc.splits() == [(5, 2), (9, 4)] and sc.golden_key().endswith("-micro-5x2-9x4")
+    # an OOM outside the forward and backward: the rank is replaced warm and carries the
+    # doubled split into the generation that replays its step
+    sc = Scenario(name="h", hot=True, faults=[Fault(kind="oom", at_step=7, phase="optimizer")])
+    assert expected_recovery(sc.faults[0], hot=True) == "hot"
+    assert sc.splits() == [(7, 2)]
 
 
 @pytest.mark.slow
