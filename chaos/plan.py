@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chaos.scenario import LOST_PROCESS, PREEMPTIONS, Fault, Scenario, expected_recovery
+from chaos.scenario import (
+    PREEMPTIONS,
+    Fault,
+    Scenario,
+    expected_recovery,
+    replaces_process,
+)
 
 __all__ = ["_WATCHDOG", "Planned", "plan", "time_bound_s"]
 
@@ -78,6 +84,6 @@ def plan(sc: Scenario) -> list[Planned]:
             launch, restart, attempt, gen = launch + 1, 0, attempt + 1, 0
         elif p.restarts:
             restart, attempt, gen = restart + 1, attempt + 1, 0
-        elif p.expect == "hot" and f.kind in LOST_PROCESS:
+        elif replaces_process(f, sc.hot, sc.recipe):
             gen += 1
     return out

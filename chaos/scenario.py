@@ -35,6 +35,7 @@ __all__ = [
     "Scenario",
     "expected_recovery",
     "generate",
+    "replaces_process",
 ]
 
 FAULT_KINDS = {
@@ -125,6 +126,14 @@ def expected_recovery(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> str:
             return "hot"  # no in-place agreement there: the rank is replaced warm
         return "retry" if f.kind == "oom" else "hot"
     return "hot" if f.kind in LOST_PROCESS else "cold"
+
+
+def replaces_process(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> bool:
+    """Fault `f` is recovered hot by a new process in its rank's place (a new generation):
+    a lost process, or an in-process fault that no in-place agreement catches."""
+    if expected_recovery(f, hot, recipe) != "hot":
+        return False
+    return f.kind in LOST_PROCESS or f.phase not in _IN_STEP or recipe == "train_fsdp.py"
 
 
 @dataclass(kw_only=True, slots=True)

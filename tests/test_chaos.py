@@ -356,6 +356,25 @@ def test_hot_mode_refuses_cold_only_kinds_and_keeps_fsdp2s_split():
     assert sc.splits() == [(7, 2)]
 
 
+def test_a_fault_after_a_warm_replacement_is_armed_for_the_next_generation():
+    # an exception outside the step replaces its rank (generation 1); the in-place
+    # rollback after it does not; a kill -9 does again (generation 2)
+    sc = Scenario.load(SCENARIOS / "hot_outside_step.toml")
+    assert [p.generation for p in plan(sc)] == [0, 1]
+    sc = Scenario(
+        name="h",
+        hot=True,
+        max_restarts=5,
+        faults=[
+            Fault(kind="raise", at_step=5, phase="data"),
+            Fault(kind="raise", at_step=7, phase="forward"),
+            Fault(kind="kill", at_step=9),
+            Fault(kind="oom", at_step=11),
+        ],
+    )
+    assert [p.generation for p in plan(sc)] == [0, 1, 1, 2]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hot_mode_in_process_faults_recover_as_expected_and_end_bit_exact(tmp_path: Path):
