@@ -74,8 +74,7 @@ def env_identity() -> tuple[int, int, str]:
     process's log before its process group exists (0, 0, "local" without a launcher)."""
     restart = int_env(TORCHELASTIC_RESTART_COUNT, 0)
     run_id = os.environ.get(TORCHELASTIC_RUN_ID) or os.environ.get(ENV_RUN_ID) or "local"
-    rank = int_env("RANK", 0) if "RANK" in os.environ else 0
-    return rank, restart, run_id
+    return int_env("RANK", 0), restart, run_id
 
 
 def init_distributed(
