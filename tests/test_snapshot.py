@@ -94,6 +94,40 @@ def test_the_adaptive_interval_weighs_the_steps_a_replica_exchange_slows() -> No
     assert plain.every == 1
 
 
+def test_a_hot_re_run_goes_on_at_the_interval_it_had() -> None:
+    """What a survivor carries over a hot re-run (hot.restart keeps interval_state, hot.resume
+    gives it to adopt_interval): the new Snapshots starts at the interval the group had, with
+    its measurements, and skips the early agreement four steps in (it would otherwise
+    snapshot every step until then, and at 16 x the budget that is 4 steps at 16 x)."""
+    t = Trainee(0)
+    t.train(1, seed=1)
+    old = Snapshots(SnapshotConfig(enabled=True), CTX)
+    old.sharded, old.replicas = True, BuddyReplicas(CTX)
+    old._step_s = old._clean_s = [0.100] * 16
+    old._copy_s, old._busy_s, old._spans = [0.001] * 8, [0.130] * 16, [1] * 16
+    old._agree_interval()
+    assert old.every == 16
+    carried = old.interval_state()
+    new = Snapshots(SnapshotConfig(enabled=True), CTX)
+    new.sharded, new.replicas = True, BuddyReplicas(CTX)
+    new.track(t.state())
+    new.adopt_interval(16, carried)
+    assert new.every == 16 and new._busy_s == old._busy_s
+    for step in range(40, 46):  # past the early agreement (start + 4): still 16, no snapshot
+        new.after_step(step)
+    assert new.every == 16 and new.held == []
+    new.after_step(48)
+    assert new.held == [48]
+    # the replacement holds no measurements of its own: the interval alone
+    fresh = Snapshots(SnapshotConfig(enabled=True), CTX)
+    fresh.adopt_interval(16, None)
+    assert fresh.every == 16 and fresh._step_s == []
+    # a fixed interval is the user's: nothing to adopt
+    fixed = Snapshots(SnapshotConfig(enabled=True, every_steps=2), CTX)
+    fixed.adopt_interval(16, carried)
+    assert fixed.every == 2
+
+
 def test_step_counter_rewinds() -> None:
     c = StepCounter(2, 6)
     seen = []

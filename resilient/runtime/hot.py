@@ -139,6 +139,8 @@ class _Carry:
     replica: dict[int, dict[str, Any]]
     """Snapshot step -> the ward's state dict at that step (localized)."""
     timings: dict[str, float] = field(default_factory=dict)
+    interval: dict[str, Any] = field(default_factory=dict)
+    """The adaptive snapshot interval and its measurements (Snapshots.interval_state)."""
 
 
 _carry: _Carry | None = None
@@ -207,6 +209,7 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
         ward=replicas.ward if replicas is not None and replicas.ward >= 0 else None,
         replica=replicas.held() if replicas is not None else {},
         timings={"teardown_s": time.monotonic() - t0},
+        interval=snaps.interval_state(),
     )
     raise HotRestart(gen, str(exc)[:200])
 
@@ -426,6 +429,7 @@ def resume(rt: Runtime) -> Resumed | None:
             "sharded": carry.sharded,
             "ward": carry.ward,
             "ward_steps": sorted(carry.replica),
+            "every": carry.interval.get("every"),
         }
     else:  # the replacement: the steps its lost predecessor left a replica of in the store
         replica = _get_replica(store, rt.rank) if store is not None else {}
@@ -489,6 +493,11 @@ def resume(rt: Runtime) -> Resumed | None:
     if carry is not None:
         carry.buffers.clear()
         carry.replica.clear()
+    # the snapshot interval goes on where it was (the largest a survivor held: every rank
+    # must snapshot at the same steps), not from every step again
+    held_every = [int(every[r]["every"]) for r in survivors if every[r].get("every")]
+    if held_every:
+        rt.snapshots.adopt_interval(max(held_every), carry.interval if carry else None)
     lost = sorted({m["lost"] for m in every if m["lost"] is not None})
     # a lost save past the target is made again by the replay when the step policy saves there
     catch_up = any(s <= target or not rt.saves_on_schedule(s) for s in lost)

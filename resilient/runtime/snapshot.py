@@ -229,6 +229,9 @@ class Snapshots:
         """Wall seconds of recent exchanges."""
         self._exchanging = False
         """An exchange was in flight when the current step began."""
+        self._adopted = False
+        """The interval and its measurements came from before a hot re-run (adopt_interval):
+        no early agreement at the start, they are already known."""
         self._failures: dict[tuple[int, int], int] = {}
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
@@ -302,7 +305,8 @@ class Snapshots:
         if self._start is None:
             self._start = step
         if self.config.every_steps is None and (
-            step - self._start == 4 or (step > self._start and step % _AGREE_EVERY == 0)
+            (step - self._start == 4 and not self._adopted)
+            or (step > self._start and step % _AGREE_EVERY == 0)
         ):
             self._agree_interval()
         if force or step % self.every == 0:
@@ -310,6 +314,28 @@ class Snapshots:
         replicas = self.replicas if self.sharded else None
         self._exchanging = replicas is not None and replicas.busy
         self._last_t = time.perf_counter()
+
+    def interval_state(self) -> dict[str, Any]:
+        """The adaptive interval and what it was agreed from, for a hot re-run to go on with
+        (hot.restart keeps it; adopt_interval takes it back)."""
+        return {
+            "every": self.every,
+            "lists": {
+                k: list(getattr(self, k))
+                for k in ("_step_s", "_copy_s", "_busy_s", "_clean_s", "_spans", "_exchange_wall")
+            },
+        }
+
+    def adopt_interval(self, every: int, state: dict[str, Any] | None) -> None:
+        """After a hot re-run (every rank of the generation, with the same `every`: the
+        largest a survivor held): go on at that interval, with this rank's own measurements
+        from before when it has them, instead of snapshotting every step and agreeing again
+        four steps in. Does nothing with a fixed interval."""
+        if self.config.every_steps is not None:
+            return
+        self.every, self._adopted = every, True
+        for k, v in ((state or {}).get("lists") or {}).items():
+            setattr(self, k, list(v))
 
     def _agree_interval(self) -> None:
         """The power of two that keeps this rank's copies under budget; MAX over ranks."""
