@@ -20,7 +20,8 @@ order, with every output deleted before the next variant:
 - dd1 / dd2: `dd if=/dev/zero bs=8M conv=fdatasync` of the same byte count, from rank 0
   alone (dd1) or half from each rank at once (dd2), for reference;
 - after each sync save, its loads, each from a dropped page cache: read2 (each rank reads the
-  files it loads into memory, nothing else: the baseline of load ratios), load (ours,
+  files it loads in 8 MiB reads into one buffer, sequential read-ahead, nothing else: the
+  baseline of load ratios), load (ours,
   verified in one pass), load2 (ours with verify_buffer_mib=0: check, then read again),
   dcp_load (plain dcp.load, no verification);
 - reshard: the same state saved by one rank (a plain copy of the model on rank 0) and loaded
