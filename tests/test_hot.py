@@ -516,6 +516,7 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
         assert not run_events(run, "attempt.start")[1:], "no cold restart"
 
 
+@pytest.mark.extended  # 20 s of a cold path; CI keeps the hot two-host test above
 def test_losing_worker_rank_0_of_several_nodes_goes_cold_at_once(
     golden: dict[int, str], tmp_path: Path
 ) -> None:
