@@ -217,6 +217,7 @@ def install(faults: list[Fault]) -> None:
 
     Progress.enter = enter  # type: ignore[method-assign]
     _wrap_snapshots(rank, restart)
+    _wrap_roll_call(rank, restart)
 
 
 def _wrap_snapshots(rank: int, restart: int) -> None:
@@ -274,7 +275,6 @@ def _wrap_replicas(rank: int, restart: int) -> None:
 
     replica.BuddyReplicas._swap = swap_  # type: ignore[method-assign,assignment]
     replica._fill = fill_
-    _wrap_roll_call(rank, restart)
 
 
 def _wrap_roll_call(rank: int, restart: int) -> None:

@@ -18,6 +18,7 @@ import pytest
 from helpers import GUARDED_WORKER, Launcher, run_cmd, run_events
 
 from chaos.netns import Hosts, netns_unavailable
+from chaos.observe import _epoch
 from chaos.procs import spawn
 from resilient.exitcodes import ExitCode
 from resilient.proctree import alive, kill_tree
@@ -416,7 +417,7 @@ def test_a_survivor_stopped_on_its_way_into_the_new_generation_is_named_and_goes
     assert named, _events(tmp_path, "recovery.cold")
     first = min(named, key=lambda e: e["ts"])
     assert first["named"][0]["rank"] == 2 and first["named"][0]["state"] == "stopped", first
-    waited = _seconds(first["ts"]) - _seconds(detect["ts"])
+    waited = _epoch(first["ts"]) - _epoch(detect["ts"])
     assert waited < 10, f"the stopped survivor was named {waited:.1f} s after the loss"
     assert not _events(tmp_path, "recovery.hot.formed")
     assert len(_events(tmp_path, "attempt.start")) == 2  # one cold restart
@@ -533,14 +534,8 @@ def test_losing_worker_rank_0_of_several_nodes_goes_cold_at_once(
     (killed,) = run_events(runs[0], "worker.failed")
     assert killed["exit_code"] == -9, killed
     _, again = run_events(runs[1], "attempt.start")
-    waited = _seconds(again["ts"]) - _seconds(killed["ts"])
+    waited = _epoch(again["ts"]) - _epoch(killed["ts"])
     assert waited < 15, f"B restarted {waited:.1f} s after rank 0's loss"
     assert not [e for run in runs for e in run_events(run, "recovery.hot.formed")]
     resumed = [e for e in run_events(runs[0], "runtime.resume") if e.get("from_checkpoint")]
     assert [int(e["step"]) for e in resumed] == [4]
-
-
-def _seconds(ts: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()

@@ -307,10 +307,17 @@ class SupervisedAgent(ElasticAgentBase):
     def _hot_prefix(self) -> str:
         return hot_store_prefix(self.attempt_id)
 
-    def _store_generation(self, store: Any) -> int:
-        """The newest generation published in the workers' store (by any node's agent)."""
+    def _catch_up(self, store: Any) -> None:
+        """Go on from the newest generation published in the workers' store (by any node's
+        agent)."""
         key = f"{self._hot_prefix()}/gen"
-        return int(bytes(store.get(key))) if store.check([key]) else 0
+        if store.check([key]):
+            self._hot_gen = max(self._hot_gen, int(bytes(store.get(key))))
+
+    def _current_verdict(self, store: Any) -> dict[str, Any] | None:
+        """The verdict the workers' watchdog published in the current generation, if any."""
+        key = f"{worker_store_prefix(self.attempt_id, self._hot_gen)}/{WATCHDOG_PREFIX}/verdict"
+        return json.loads(bytes(store.get(key))) if store.check([key]) else None
 
     def _claim_generation(self, worker_group: WorkerGroup, gen: int) -> str | None:
         """Publish generation `gen` for the survivors, unless another node's agent published
@@ -345,9 +352,8 @@ class SupervisedAgent(ElasticAgentBase):
         reached = self._hot_store is not None
         try:
             store = self._hot_workers_store(worker_group)
-            self._hot_gen = max(self._hot_gen, self._store_generation(store))
-            key = f"{worker_store_prefix(self.attempt_id, self._hot_gen)}/{WATCHDOG_PREFIX}/verdict"
-            verdict = json.loads(bytes(store.get(key))) if store.check([key]) else None
+            self._catch_up(store)
+            verdict = self._current_verdict(store)
         except Exception as e:
             if reached:
                 self._hot_store_lost = str(e)[:300]
@@ -384,17 +390,15 @@ class SupervisedAgent(ElasticAgentBase):
         None when none of these."""
         try:
             store = self._hot_workers_store(worker_group)
-            self._hot_gen = max(self._hot_gen, self._store_generation(store))
+            self._catch_up(store)
             formed = f"{self._hot_prefix()}/gen_{self._hot_gen}/formed"
             if self._hot_gen and not store.check([formed]):
                 return f"a failure while generation {self._hot_gen} was still forming"
             # a verdict for the whole group (not a hot one, which names one rank to replace):
             # its ranks exit one by one, and the first one out is no lost process to replace
-            key = f"{worker_store_prefix(self.attempt_id, self._hot_gen)}/{WATCHDOG_PREFIX}/verdict"
-            if store.check([key]):
-                verdict = json.loads(bytes(store.get(key)))
-                if not verdict.get("hot"):
-                    return f"the workers' verdict stops the group: {verdict.get('reason')}"
+            verdict = self._current_verdict(store)
+            if verdict is not None and not verdict.get("hot"):
+                return f"the workers' verdict stops the group: {verdict.get('reason')}"
         except Exception as e:  # the store is gone: nothing can re-form through it
             self._hot_store_lost = self._hot_store_lost or str(e)[:300]
             return f"the workers' store is unreachable: {self._hot_store_lost}"
