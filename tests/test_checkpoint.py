@@ -144,6 +144,90 @@ def test_stock_dcp_reads_what_we_write(tmp_path: Path) -> None:
     assert got["common"] == want["common"]
 
 
+def _saved(t: Any, *, at: int, zip_crc: bool) -> tuple[Any, int]:
+    """(buffer, length): `t` torch.saved at offset `at` of a buffer, as DCP places records."""
+    import contextlib
+    import io
+
+    from resilient.checkpoint._torch_compat import no_zip_crc32_in_this_thread
+
+    buf = io.BytesIO()
+    buf.write(b"\0" * at)
+    with contextlib.nullcontext() if zip_crc else no_zip_crc32_in_this_thread():
+        torch.save(t, buf)
+    return buf.getbuffer(), buf.tell() - at
+
+
+@pytest.mark.parametrize("zip_crc", [True, False], ids=["zip-crc", "no-zip-crc"])
+def test_a_tensor_record_read_in_place_is_what_torch_load_gives(zip_crc: bool) -> None:
+    """A verified load copies each tensor from the bytes it checked, through a view of the
+    torch.save archive where it lies: the same dtype, shape, strides and values as
+    torch.load, for views, odd dtypes and scalars, with or without the zip CRC."""
+    import io
+
+    from resilient.checkpoint._torch_compat import tensor_in_record
+
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    cases = [
+        base,
+        base.t(),
+        base[2:, 3:7],
+        base.to(torch.bfloat16),
+        base > 30,
+        base.to(torch.float16)[::2],
+        torch.tensor(7, dtype=torch.int64),
+    ]
+    for t in cases:
+        buf, length = _saved(t, at=13, zip_crc=zip_crc)
+        want = torch.load(io.BytesIO(bytes(buf[13:])), weights_only=True)
+        got = tensor_in_record(buf, 13, length)
+        assert got is not None
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+        assert torch.equal(got, want)
+        del got
+
+
+def test_a_record_that_is_not_a_plain_tensor_archive_is_left_to_torch_load() -> None:
+    from resilient.checkpoint._torch_compat import tensor_in_record
+
+    buf, length = _saved(torch.ones(8), at=5, zip_crc=False)
+    assert tensor_in_record(buf, 5, length - 40) is None  # cut short
+    assert tensor_in_record(bytes(range(256)) * 4, 0, 1024) is None  # not an archive
+    for other in ({"a": torch.ones(2)}, torch.ones(0), [1, 2]):
+        buf, length = _saved(other, at=0, zip_crc=False)
+        assert tensor_in_record(buf, 0, length) is None
+
+
+def test_a_verified_load_copies_every_tensor_from_the_bytes_it_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from resilient.checkpoint import _dcp_read
+
+    real = _dcp_read.tensor_in_record
+    seen: list[bool] = []
+
+    def counting(buffer: Any, offset: int, length: int) -> Any:
+        got = real(buffer, offset, length)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_dcp_read, "tensor_in_record", counting)
+    a = Trainee(0)
+    a.train(2)
+    mgr = manager(tmp_path)
+    mgr.save(a.state(), step=2)
+    mgr.close()
+    b = Trainee(1)
+    assert manager(tmp_path).load_latest(b.state()) == 2
+    assert b.digest() == a.digest()
+    assert seen and all(seen)
+    # past verify_buffer_mib the check streams, and DCP reads the files again itself
+    seen.clear()
+    c = Trainee(2)
+    assert manager(tmp_path, verify_buffer_mib=0).load_latest(c.state()) == 2
+    assert c.digest() == a.digest() and not seen
+
+
 def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(obj, dict):
         return [kv for k, v in obj.items() for kv in _flatten(v, f"{prefix}.{k}")]

@@ -12,10 +12,13 @@
   byte into a tensor, so a checkpoint that fails anywhere leaves every rank's state
   untouched. `.metadata` is checked by every rank before it is unpickled. Past
   `buffer_bytes` per rank the files are checked in a streaming pass and DCP reads them again.
+- Copied once: a tensor whose verified bytes this rank keeps is copied from them straight
+  into its destination (`tensor_in_record`), not through torch.load's fresh tensor first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections.abc import Callable
@@ -26,10 +29,16 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from resilient.checkpoint._dcp_fs import StorageFileSystem, VerifiedBytesFileSystem
-from resilient.checkpoint._torch_compat import metadata_path, planner_store, read_location
+from resilient.checkpoint._torch_compat import (
+    metadata_path,
+    planner_store,
+    read_location,
+    read_span,
+    tensor_in_record,
+)
 from resilient.checkpoint.manifest import FileEntry, Manifest
 from resilient.checksum import updater
 from resilient.errors import CheckpointCorruptError, CheckpointError
@@ -256,9 +265,34 @@ class _SafeReader(FileSystemReader):
         assert isinstance(fs, VerifiedBytesFileSystem)
         fs.verified = dict(self.verifier.verify_for(self, plan))
         try:
-            return super().read_data(plan, planner)
+            rest = [item for item in plan.items if not self._copy_in_place(item, planner)]
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
         finally:
             fs.verified = {}
+
+    def _copy_in_place(self, item: ReadItem, planner: LoadPlanner) -> bool:
+        """Copy a tensor item from the verified bytes this rank keeps straight into its
+        destination; False leaves the item to DCP's own read."""
+        if item.type != LoadItemType.TENSOR:
+            return False
+        span = read_span(self, item.storage_index)
+        data = None if span is None else self.fs.verified.get(span[0])
+        if span is None or data is None:
+            return False
+        source = tensor_in_record(data, span[1], span[2])
+        if source is None:
+            return False
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            source = source.narrow(dim, start, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != source.size():
+            raise CheckpointCorruptError(
+                f"{span[0]}: record of {item.dest_index.fqn} holds {tuple(source.size())}, "
+                f"the destination is {tuple(target.size())}"
+            )
+        target.copy_(source)
+        planner.commit_tensor(item, target)
+        return True
 
 
 def make_reader(storage: Storage, rel: str, *, verifier: Verifier | None = None) -> Any:

@@ -3,12 +3,13 @@
 torch.distributed.checkpoint (DCP) has no public hook for some of what we do: storing a
 value the way its load planner does, finding a reader's `.metadata`, knowing which file and
 byte range a read item comes from, skipping torch.save's per-record zip CRC in our own
-writer threads, and loading into a fresh optimizer without the zero-gradient step that
-set_optimizer_state_dict runs first. Each is taken here and nowhere else, and checked when
+writer threads, loading into a fresh optimizer without the zero-gradient step that
+set_optimizer_state_dict runs first, and reading a tensor record's bytes where they lie (the
+layout of a torch.save archive). Each is taken here and nowhere else, and checked when
 this module is imported: if a torch release renames or removes one, importing resilient
 fails at once with an error naming the torch version and the feature, never later with a
-silent default. One exception, 6. below: a name that only makes saves cheaper turns that
-saving off when it is missing (logged), and DCP's public path is taken instead.
+silent default. Two exceptions, 6. and 7. below: what only makes a save or a load cheaper
+turns itself off when it no longer holds, and DCP's public path is taken instead.
 
 Tested with torch 2.13.
 """
@@ -17,9 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import re
+import struct
+import sys
 import threading
+import warnings
+import zipfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.serialization
@@ -36,6 +43,8 @@ __all__ = [
     "no_zip_crc32_in_this_thread",
     "planner_store",
     "read_location",
+    "read_span",
+    "tensor_in_record",
 ]
 
 
@@ -91,6 +100,15 @@ def read_location(reader: FileSystemReader, storage_index: Any) -> tuple[str, in
     reader's storage_data (set by set_up_storage_reader)."""
     info = reader.storage_data[storage_index]
     return str(info.relative_path), int(info.length)
+
+
+def read_span(reader: FileSystemReader, storage_index: Any) -> tuple[str, int, int] | None:
+    """(file name, offset, bytes) of one ReadItem's record as it lies in the file; None when
+    the record went through a stream transform (`_extensions`) on its way to the file."""
+    info = reader.storage_data[storage_index]
+    if getattr(info, "transform_descriptors", None):
+        return None
+    return str(info.relative_path), int(info.offset), int(info.length)
 
 
 # --- 4. torch.save's zip CRC, off in our writer threads only ------------------------------------
@@ -193,3 +211,93 @@ def fqns_of(model: torch.nn.Module, name: str) -> set[str]:
     """The FQNs DCP gives the parameter or state-dict key `name` of `model` (one, except for
     an FSDP1 flat parameter)."""
     return set(_get_fqns(model, name))
+
+
+# --- 7. a tensor record's bytes where they lie --------------------------------------------------
+# DCP writes each tensor as one torch.save archive inside the rank's file, and reads it back
+# with torch.load: a copy into a fresh tensor (whose pages fault in on first touch), then a
+# second copy into the destination. A torch.save archive is an uncompressed zip file with one
+# record per storage, `<archive>/data/<key>`, holding the storage's raw bytes. When the bytes
+# are in memory already (a verified load keeps them), a tensor can view them where they lie
+# and the destination is filled in one copy. torch.load still reads the pickle, with
+# map_location="meta" (no data read) and weights_only (no code run), for dtype, shape and
+# strides; Python's zipfile finds the record. Whatever does not fit that picture (another
+# layout, several storages, compression, a foreign byte order, a view past the record) gives
+# None, and the item goes through torch.load as before. Checked at import with a round trip;
+# a torch whose archives no longer fit turns this off (IN_PLACE_UNAVAILABLE says why).
+IN_PLACE_UNAVAILABLE: str | None = None
+_DATA_RECORD = re.compile(r"[^/]+/data/[^/]+")
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra length
+
+
+def tensor_in_record(buffer: Any, offset: int, length: int) -> torch.Tensor | None:
+    """A tensor viewing the torch.save archive at `buffer[offset:offset + length]` in place
+    (the archive's one tensor, as torch.load would return it), or None when it does not
+    have the plain layout described above. Read it only while `buffer` is alive."""
+    from resilient._transfer import MemoryReader
+
+    if IN_PLACE_UNAVAILABLE is not None:
+        return None
+    record = memoryview(buffer).cast("B")[offset : offset + length]
+    try:
+        stream = cast(IO[bytes], MemoryReader(record))
+        meta = torch.load(stream, map_location="meta", weights_only=True)
+        if type(meta) is not torch.Tensor or meta.layout != torch.strided:
+            return None
+        with zipfile.ZipFile(MemoryReader(record)) as archive:
+            entries = archive.infolist()
+        data = [e for e in entries if _DATA_RECORD.fullmatch(e.filename)]
+        order = [e for e in entries if e.filename.endswith("/byteorder")]
+        nbytes = meta.untyped_storage().nbytes()
+        if len(data) != 1 or data[0].file_size != nbytes or nbytes == 0:
+            return None
+        byteorder = bytes(_stored(record, order[0])).decode() if order else "little"
+        start = _data_start(record, data[0])
+        if start is None or byteorder != sys.byteorder:
+            return None
+        with warnings.catch_warnings():  # read only: the destination gets a copy
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset + start)
+        typed = raw.view(meta.dtype)
+        return typed.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    except Exception:  # a fast path only: torch.load on DCP's own path reads
+        return None  # the record again and says what is wrong with it, if anything
+
+
+def _data_start(record: memoryview, entry: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed zip entry's bytes start in `record`; None if it is not one."""
+    head = entry.header_offset
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(record, head)
+    start = head + _LOCAL_HEADER.size + name_len + extra_len
+    if (
+        signature != b"PK\x03\x04"
+        or entry.compress_type != zipfile.ZIP_STORED
+        or start + entry.file_size > len(record)
+    ):
+        return None
+    return start
+
+
+def _stored(record: memoryview, entry: zipfile.ZipInfo) -> memoryview:
+    """An uncompressed zip entry's bytes, read past zipfile's CRC check: our writer threads
+    leave torch.save's CRC at 0 (4. above). ValueError when the entry is not plain."""
+    start = _data_start(record, entry)
+    if start is None:
+        raise ValueError(f"{entry.filename}: not a stored zip entry")
+    return record[start : start + entry.file_size]
+
+
+def _check_in_place() -> str | None:
+    expected = torch.arange(24, dtype=torch.float64).reshape(4, 6)[1:, 2:]
+    for zip_crc in (True, False):  # as a user's torch.save writes it, and as our writer does
+        stream = io.BytesIO()
+        stream.write(b"x" * 7)  # DCP's records start anywhere in the file
+        with contextlib.nullcontext() if zip_crc else no_zip_crc32_in_this_thread():
+            torch.save(expected, stream)
+        got = tensor_in_record(stream.getbuffer(), 7, stream.tell() - 7)
+        if got is None or got.dtype != expected.dtype or not torch.equal(got, expected):
+            return f"torch {torch.__version__}: a torch.save archive no longer has the layout read"
+    return None
+
+
+IN_PLACE_UNAVAILABLE = _check_in_place()

@@ -254,7 +254,11 @@ class Storage:
                     # A file truncated by someone else while mapped would fault (SIGBUS) on
                     # access: checkpoint files are never rewritten in place once committed,
                     # and the size was checked just now.
-                    return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+                    mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+                    # Read ahead aggressively: the checksum walks the map front to back, and
+                    # with the default window each fault waits on a small synchronous read.
+                    mapped.madvise(mmap.MADV_SEQUENTIAL)
+                    return mapped
 
             data = self.call(f"read {rel}", run)
             return data, update(data, 0)
