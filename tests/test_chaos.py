@@ -106,12 +106,30 @@ _NOT_IN_MATRIX = {
     # the same: tests/test_hot.py's exception under rt.guard() is its path in CI
     "hot_outside_step",
 }
-_MATRIX = [p for p in sorted(SCENARIOS.glob("*.toml")) if p.stem not in _NOT_IN_MATRIX]
+# Run by `make soak` only (marked `extended`), to keep CI under its 20 minutes; in CI their
+# paths are covered fault by fault, each run checked bitwise:
+_EXTENDED = {
+    # tests/test_hot.py: kill -9, OOM exit, a kill inside a snapshot or its replication, a
+    # save lost with the peer, a rank lost with its buddy (cold), for DDP and FSDP2
+    "hot_lost_process",
+    "hot_fsdp_lost_process",
+    # tests/test_hang.py: a stopped rank and a sleeping one, named and the group restarted
+    "hangs",
+    # tests/test_preempt.py: SIGTERM to the launcher and to one worker, zero steps lost
+    "preemption",
+    # tests/test_elastic.py: a host killed (and cut off) twice, the other going on alone
+    "node_loss",
+}
+_MATRIX = [
+    pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
+    for p in sorted(SCENARIOS.glob("*.toml"))
+    if p.stem not in _NOT_IN_MATRIX
+]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", _MATRIX, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", _MATRIX)
 def test_matrix_scenario_keeps_every_invariant(path: Path, tmp_path_factory):
     out = tmp_path_factory.getbasetemp() / "chaos"  # shared: golden runs are computed once
     sc = Scenario.load(path)
