@@ -40,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import psutil
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -144,6 +145,8 @@ class SupervisedAgent(ElasticAgentBase):
         generation stepped."""
         self._verdict_poll_at = 0.0
         self._named_since: dict[int, float] = {}  # pid -> when a hot verdict first named it
+        self._stopped_since: dict[int, float] = {}  # pid -> when first seen stopped, forming
+        self._watchdog = _watchdog_config()
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -166,7 +169,7 @@ class SupervisedAgent(ElasticAgentBase):
         self._handled = False
         self._hot_gen, self._hot_store, self._hot_store_lost = 0, None, None
         self._spare_after = None
-        self._verdict_poll_at, self._named_since = 0.0, {}
+        self._verdict_poll_at, self._named_since, self._stopped_since = 0.0, {}, {}
         pids = super().start_workers(worker_group)
         if self._spare is not None:
             self._spare.start()  # warm while the group trains: a replacement in waiting
@@ -360,6 +363,8 @@ class SupervisedAgent(ElasticAgentBase):
             else:  # not up yet: with several nodes worker rank 0 starts it
                 self._verdict_poll_at = now + 1.0
             return
+        if self._hot_gen and not verdict:
+            self._kill_stopped_on_arrival(store, worker_group, pids, now)
         if not verdict or not verdict.get("hot"):
             return
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
@@ -381,6 +386,46 @@ class SupervisedAgent(ElasticAgentBase):
                 pid=pid,
                 kind=verdict.get("kind"),
                 reason=verdict.get("reason"),
+                generation=self._hot_gen,
+            )
+
+    def _kill_stopped_on_arrival(
+        self, store: Any, worker_group: WorkerGroup, pids: dict[int, int], now: float
+    ) -> None:
+        """While generation g >= 1 forms: SIGKILL this node's worker that has not arrived at
+        its roll call (runtime/hot.py, roll_call) and has been stopped for
+        `heartbeat_timeout_s`. Its peers tell a stopped rank from a slow one only on its own
+        host (the process state); from another host they would wait `startup_timeout_s`
+        (15 min by default). The kill is a failure while the generation forms: this node
+        goes cold, and the others follow it into the next rendezvous round."""
+        if not self._watchdog.kill_stopped:
+            return
+        arrived = f"{self._hot_prefix()}/gen_{self._hot_gen}/arrived"
+        if store.check([f"{arrived}/all"]):
+            self._stopped_since = {}
+            return
+        for w in worker_group.workers:
+            pid = pids.get(w.local_rank)
+            if pid is None or pid in self._named_since:
+                continue
+            if store.check([f"{arrived}/{w.global_rank}"]) or not _is_stopped(pid):
+                self._stopped_since.pop(pid, None)
+                continue
+            first = self._stopped_since.setdefault(pid, now)
+            if now - first < self._watchdog.heartbeat_timeout_s:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            self._named_since[pid] = float("inf")  # once
+            self._hooks.on_event(
+                ev.RECOVERY_HOT_KILL,
+                rank=w.global_rank,
+                pid=pid,
+                kind="roll_call",
+                reason=(
+                    f"stopped for {now - first:.1f} s without arriving for generation "
+                    f"{self._hot_gen}"
+                ),
                 generation=self._hot_gen,
             )
 
@@ -541,3 +586,24 @@ class SupervisedAgent(ElasticAgentBase):
                     signal.signal(sig, signal.SIG_IGN)
             self._hooks.on_event("preempt.forward", signal=death_sig.name, grace_s=timeout)
         super().shutdown(death_sig, timeout)
+
+
+def _watchdog_config() -> Any:
+    """The workers' watchdog settings (the agent passes its environment on to them); the
+    defaults when they do not parse (each worker then says why)."""
+    from resilient.errors import ConfigError
+    from resilient.runtime.watchdog_config import WatchdogConfig
+
+    try:
+        return WatchdogConfig.from_env()
+    except (ConfigError, ValueError, TypeError):
+        return WatchdogConfig()
+
+
+def _is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, or stopped by a tracer)."""
+    try:
+        status = psutil.Process(pid).status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
