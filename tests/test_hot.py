@@ -100,12 +100,19 @@ def golden_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     return digests
 
 
-@pytest.mark.parametrize(("nproc", "victim"), [(2, 1), (3, 0)])
+@pytest.mark.parametrize(("nproc", "victim", "replicas"), [(2, 1, 1), (3, 0, 1), (2, 1, 0)])
 def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
-    golden: dict[int, str], tmp_path: Path, nproc: int, victim: int
+    golden: dict[int, str], tmp_path: Path, nproc: int, victim: int, replicas: int
 ) -> None:
+    """The replacement gets the model and optimizer state from a survivor, and its own RNG
+    and data position from its buddy (the next local rank here), or with replicas=0 from the
+    launcher's store."""
     code, err = _run(
-        tmp_path, nproc, [f"kill@rank={victim},step=5,phase=forward"], "--hot-recovery"
+        tmp_path,
+        nproc,
+        [f"kill@rank={victim},step=5,phase=forward"],
+        "--hot-recovery",
+        snapshot={"replicas": replicas},
     )
     assert code == 0, err[-3000:]
     assert _digest(tmp_path) == golden[nproc]
@@ -118,6 +125,8 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
     formed = _events(tmp_path, "recovery.hot.formed")
     assert sorted(e["rank"] for e in formed) == list(range(nproc))
     assert {e["to_step"] for e in formed} == {5}  # the step the kill interrupted: none lost
+    (new,) = [e for e in formed if not e["survivor"]]
+    assert new["part_from"] == ((victim + 1) % nproc if replicas else "store")
     inits = _inits(tmp_path)
     for rank in range(nproc):
         first, second = inits[rank]  # generation 0, then generation 1
@@ -425,10 +434,12 @@ def test_a_survivor_stopped_on_its_way_into_the_new_generation_is_named_and_goes
     assert {int(e["step"]) for e in resumed} == {4}
 
 
-def _run_two_hosts(tmp_path: Path, fault: str) -> tuple[list[Path], str]:
-    """Two hosts (network and UTS namespaces: addresses and host names of their own), one
-    rank and one `resilient run --hot-recovery` each, `fault` injected; both must exit 0 and
-    leave no process. Returns the run directories (A, B) and rank 0's final digest."""
+def _run_two_hosts(
+    tmp_path: Path, *faults: str, nproc: int = 1, watchdog: dict[str, float] | None = None
+) -> tuple[list[Path], str]:
+    """Two hosts (network and UTS namespaces: addresses and host names of their own), `nproc`
+    ranks and one `resilient run --hot-recovery` each, `faults` injected; both must exit 0
+    and leave no process. Returns the run directories (A, B) and rank 0's final digest."""
     why = netns_unavailable()
     if why:
         pytest.skip(why)
@@ -436,7 +447,9 @@ def _run_two_hosts(tmp_path: Path, fault: str) -> tuple[list[Path], str]:
     procs: list[subprocess.Popen[bytes]] = []
     runs = [tmp_path / "runA", tmp_path / "runB"]
     env = {
-        "RESILIENT_WATCHDOG": json.dumps({**WATCHDOG, "heartbeat_timeout_s": 3.0}),
+        "RESILIENT_WATCHDOG": json.dumps(
+            {**WATCHDOG, "heartbeat_timeout_s": 3.0, **(watchdog or {})}
+        ),
         "RESILIENT_SNAPSHOT": json.dumps({"enabled": True, "every_steps": 1}),
         # torchrun sets this only for several workers per node; the golden run had two
         "OMP_NUM_THREADS": "1",
@@ -450,7 +463,7 @@ def _run_two_hosts(tmp_path: Path, fault: str) -> tuple[list[Path], str]:
             *prefix,
             *run_cmd(
                 "--nnodes=2",
-                "--nproc-per-node=1",
+                f"--nproc-per-node={nproc}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={hosts.addr[0]}:29400",
                 "--rdzv-id=hot-two-hosts",
@@ -461,7 +474,7 @@ def _run_two_hosts(tmp_path: Path, fault: str) -> tuple[list[Path], str]:
                 "--monitor-interval=0.05",
                 "--restart-backoff=0.2",
                 "--restart-jitter=0",
-                "-m", "chaos.inject", "--fault", fault, "--",
+                "-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--",
                 GUARDED_WORKER,
                 "--mode", "micro", "--steps", str(STEPS), "--workers", "0",
                 "--ckpt-dir", str(tmp_path / "ckpt"), "--run-dir", str(runs[i]),
@@ -515,6 +528,45 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
     for run in runs:
         assert not run_events(run, "recovery.cold")
         assert not run_events(run, "attempt.start")[1:], "no cold restart"
+
+
+def test_survivors_stopped_on_another_host_on_their_way_in_are_killed_by_its_agent(
+    tmp_path: Path,
+) -> None:
+    """Two hosts of two ranks: rank 1 (host A) is killed at step 5; ranks 2 and 3, the
+    survivors on host B, SIGSTOP themselves as they enter generation 1. The ranks on A
+    cannot tell a stopped process on another host from a slow one (their roll call would
+    wait startup_timeout_s), and no rank on B is left to look. B's agent can: it kills its
+    workers once stopped for the heartbeat timeout, the generation fails while forming, and
+    both nodes restart cold into the next round and end bitwise equal. (A's agent keeps its
+    restart count on a membership change, so the kill fires again there and is recovered
+    hot; B's faults fire in its first attempt only.)"""
+    gold = tmp_path / "golden"
+    code, err = _run(gold, 4, [])
+    assert code == 0, err[-3000:]
+    runs, digest = _run_two_hosts(
+        tmp_path,
+        "kill@rank=1,step=5,phase=forward",
+        "stop@rank=2,phase=reform,generation=1",
+        "stop@rank=3,phase=reform,generation=1",
+        nproc=2,
+        watchdog={"startup_timeout_s": 120.0},
+    )
+    assert digest == _digest(gold)
+    # both, or the first one stopped (the second then goes with the node's cold restart)
+    kills = run_events(runs[1], "recovery.hot.kill")
+    assert kills and {(e["kind"], e["generation"]) for e in kills} == {("roll_call", 1)}, kills
+    assert {e["rank"] for e in kills} <= {2, 3}, kills
+    detect = min(
+        (e for e in run_events(runs[0], "recovery.hot.detect") if e["rank"] == 0),
+        key=lambda e: e["ts"],
+    )
+    waited = max(_epoch(e["ts"]) for e in kills) - _epoch(detect["ts"])
+    assert 3 <= waited < 10, f"the stopped survivors were killed {waited:.1f} s after the loss"
+    for run in runs:
+        assert len(run_events(run, "attempt.start")) == 2  # one cold restart, both nodes
+    resumed = [e for e in run_events(runs[0], "runtime.resume") if e.get("from_checkpoint")]
+    assert {int(e["step"]) for e in resumed} == {4}
 
 
 @pytest.mark.extended  # 20 s of a cold path; CI keeps the hot two-host test above

@@ -19,7 +19,9 @@ worker dies (kill -9, a crash, an OOM exit):
    collective agreement on the newest snapshot step every rank can restore: a survivor from
    its own snapshot, the replacement from a survivor (the replicated DDP state, sent point to
    point) and from the replica of its per-rank state (RNG, data position) that the lost rank
-   left in the store at each snapshot. Durable checkpoints are not read; a durable save the
+   sent its buddy at each snapshot (runtime/replica.py; with replicas=0 it left it in the
+   launcher's store instead). FSDP2 shards come from the buddy's replica of the whole
+   snapshot. Durable checkpoints are not read; a durable save the
    loss interrupted is made again at the resumed step when the replay would not make it
    (Resumed.catch_up).
 
@@ -135,9 +137,10 @@ class _Carry:
     sharded: bool
     """The state is sharded (FSDP2): a replacement needs its buddy's replica."""
     ward: int | None
-    """The rank whose replica this rank holds (sharded state only)."""
+    """The rank whose replica this rank holds (None: replicas=0)."""
     replica: dict[int, dict[str, Any]]
-    """Snapshot step -> the ward's state dict at that step (localized)."""
+    """Snapshot step -> the ward's state dict at that step (localized; with DDP its
+    per-rank part only)."""
     timings: dict[str, float] = field(default_factory=dict)
     interval: dict[str, Any] = field(default_factory=dict)
     """The adaptive snapshot interval and its measurements (Snapshots.interval_state)."""
@@ -160,7 +163,9 @@ def carried_store() -> Any:
 # ---------------------------------------------------------------- the per-rank replica
 def put_replica(store: Any, rank: int, held: dict[int, bytes]) -> None:
     """Keep this rank's per-rank state (RNG, data position: a few KiB) of the snapshot steps
-    it holds where a replacement can read it: the launcher's store, one key per rank."""
+    it holds where a replacement can read it: the launcher's store, one key per rank. Only
+    with replicas=0: a set per rank per snapshot is N requests to one server at every
+    snapshot, which the buddy exchange (runtime/replica.py) spreads over the ranks' pairs."""
     store.set(f"{store_prefix()}/replica/rank_{rank}", pickle.dumps(held))
 
 
@@ -195,7 +200,7 @@ def restart(rt: Runtime, exc: BaseException) -> NoReturn:
         _cold(rt, "no in-memory snapshot on this rank yet" if not held else "no store")
     if not rt.abandon(drain_s=_DRAIN_S):
         _cold(rt, f"an in-flight async save or replica did not finish within {_DRAIN_S:g} s")
-    replicas = snaps.replicas if snaps.sharded else None
+    replicas = snaps.replicas
     _carry = _Carry(
         generation=gen,
         steps=sorted(held),
@@ -431,7 +436,7 @@ def resume(rt: Runtime) -> Resumed | None:
             "ward_steps": sorted(carry.replica),
             "every": carry.interval.get("every"),
         }
-    else:  # the replacement: the steps its lost predecessor left a replica of in the store
+    else:  # the replacement; with replicas=0 its predecessor's per-rank part is in the store
         replica = _get_replica(store, rt.rank) if store is not None else {}
         mine = {"steps": sorted(replica), "survivor": False, "at": None, "lost": None}
     every: list[Any] = [None] * rt.world_size
@@ -439,19 +444,25 @@ def resume(rt: Runtime) -> Resumed | None:
     survivors = [r for r, m in enumerate(every) if m["survivor"]]
     sharded = any(every[r]["sharded"] for r in survivors)
     # where each replacement's state comes from: with DDP any survivor holds the model and
-    # optimizer state and the store the per-rank blob; sharded state only on the buddy
+    # optimizer state, and its buddy (or, with replicas=0, the store) its per-rank part;
+    # sharded state only its buddy
     source: dict[int, int] = {}
+    part_from: dict[int, int] = {}
+    """Replacement -> the survivor that holds its per-rank part (DDP with replicas)."""
     restorable: dict[int, set[int]] = {}
     for r, m in enumerate(every):
         if m["survivor"]:
             restorable[r] = set(m["steps"])
-        elif sharded:
-            holders = [s for s in survivors if every[s]["ward"] == r]
+            continue
+        holders = [s for s in survivors if every[s]["ward"] == r]
+        if sharded:
             source[r] = holders[0] if holders else -1
             restorable[r] = set(every[holders[0]]["ward_steps"]) if holders else set()
         else:
             source[r] = survivors[0] if survivors else -1
-            restorable[r] = set(m["steps"])
+            if holders:
+                part_from[r] = holders[0]
+            restorable[r] = set(every[holders[0]]["ward_steps"]) if holders else set(m["steps"])
     common = set.intersection(*restorable.values()) if restorable else set()
     target = max(common) if common and survivors else None
     if target is None:
@@ -473,16 +484,21 @@ def resume(rt: Runtime) -> Resumed | None:
     if carry is not None:
         sd = carry.buffers[target]
         for r, src in source.items():  # point to point, to each replacement
-            if src != rt.rank:
-                continue
-            if sharded:  # the ward's whole state, kept for it
+            if src == rt.rank and sharded:  # the ward's whole state, kept for it
                 send_state(carry.replica[target], r, rt.ctx.control_group)
-            else:  # the replicated model and optimizer state; the store has the rest
+            elif src == rt.rank:  # the replicated model and optimizer state
                 shared = {k: v for k, v in sd.items() if not k.startswith("rank")}
                 send_state(shared, r, rt.ctx.control_group)
+            if part_from.get(r) == rt.rank:  # and its own part, kept for it
+                part = [carry.replica[target][f"rank{r}"]]
+                dist.send_object_list(part, dst=r, group=rt.ctx.control_group)
     else:
         sd = recv_state(source[rt.rank], rt.ctx.control_group)
-        if not sharded:
+        if not sharded and rt.rank in part_from:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=part_from[rt.rank], group=rt.ctx.control_group)
+            sd[f"rank{rt.rank}"] = box[0]
+        elif not sharded:
             sd[f"rank{rt.rank}"] = replica[target]
     transfer_s = time.monotonic() - t0
     try:
@@ -507,6 +523,7 @@ def resume(rt: Runtime) -> Resumed | None:
         "generation": generation(),
         "survivor": carry is not None,
         "from_rank": source.get(rt.rank, rt.rank),
+        "part_from": None if carry is not None or sharded else part_from.get(rt.rank, "store"),
         "sharded": sharded,
         "transfer_s": round(transfer_s, 4),
         "restore_s": round(time.monotonic() - t0, 4),

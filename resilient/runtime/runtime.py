@@ -244,10 +244,11 @@ class Runtime(Loops):
         lost the peer), for the hot resume's catch-up save."""
         if hot.enabled() and self.ctx.distributed and self.ctx.base_store is not None:
             # a lost peer: re-run the script in place from the snapshots (runtime/hot.py)
-            store = self.ctx.base_store
-            self.snapshots.replicate = lambda held: hot.put_replica(store, self.rank, held)
-            if snap.replicas:  # sharded snapshots also go to a buddy (runtime/replica.py)
+            if snap.replicas:  # snapshots also go to a buddy (runtime/replica.py)
                 self.snapshots.replicas = BuddyReplicas(self.ctx, timeout_s=config.side_timeout_s)
+            else:  # the per-rank part (a few KiB) through the launcher's store
+                store = self.ctx.base_store
+                self.snapshots.replicate = lambda held: hot.put_replica(store, self.rank, held)
             self.guards.hot = lambda exc: hot.restart(self, exc)
             self.guards.hot_own = lambda exc, kind, split: hot.leave_for_replacement(
                 self, exc, kind=kind, split=split

@@ -7,8 +7,8 @@ position). Two buffers: the newest complete snapshot stays intact while the next
 into the other one, so a failure during a copy still has a complete snapshot to go back to.
 Snapshots are local to the rank: they cover failures inside a live process (a Python
 exception). A lost process is covered under hot recovery (runtime/hot.py): DDP state is on
-every rank anyway, and sharded (FSDP2) snapshots are also sent to a buddy rank
-(runtime/replica.py).
+every rank anyway, and only its per-rank part goes to a buddy rank; sharded (FSDP2)
+snapshots go to the buddy whole (runtime/replica.py).
 
 Rollback. When the guard's in-place agreement (runtime/guard.py, DDP micro-batches) finds
 that a rank raised, every rank agrees on the newest snapshot step all ranks hold (one
@@ -236,12 +236,13 @@ class Snapshots:
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
         self.replicate: Any = None
-        """Set by the Runtime under hot recovery: called with {step: per-rank blob} of the
-        steps held after each snapshot (runtime/hot.py keeps them where a replacement
-        finds them)."""
+        """Set by the Runtime under hot recovery with replicas=0: called with {step: per-rank
+        blob} of the steps held after each snapshot (runtime/hot.py keeps them in the
+        launcher's store, where a replacement finds them)."""
         self.replicas: BuddyReplicas | None = None
-        """Set by the Runtime under hot recovery (replicas=1): sends each sharded snapshot
-        to this rank's buddy in the background (runtime/replica.py)."""
+        """Set by the Runtime under hot recovery (replicas=1): sends each snapshot to this
+        rank's buddy in the background (runtime/replica.py); with DDP only its per-rank part
+        (RNG, data position: every survivor holds the rest)."""
         self.sharded = False
         """The tracked model holds DTensors (FSDP2): its shards exist on this rank only."""
         self.copies = 2
@@ -403,6 +404,11 @@ class Snapshots:
         if self.replicas is not None and self.sharded:
             self.replicas.send(step, self._buf[slot] or {})  # in the background
             self._spans = [*self._spans[-(_WINDOW - 1) :], 0]
+        elif self.replicas is not None:  # DDP: every survivor has the rest of it
+            # A few KiB, sent before the next step begins: a rank lost in that step still
+            # left its buddy this snapshot (in the background it could die before sending).
+            key = f"rank{self.ctx.rank}"
+            self.replicas.send(step, {key: (self._buf[slot] or {}).get(key)}, background=False)
         if self.replicate is not None:
             key = f"rank{self.ctx.rank}"
             self.replicate(
