@@ -398,6 +398,38 @@ def _snapshot_overhead(
     }
 
 
+def _replica_paths(base: Path, width: int, steps: int, pairs: int) -> dict[str, Any]:
+    """DDP under --hot-recovery with a snapshot every step: the per-rank part of each
+    snapshot to the buddy (replicas=1) or through the launcher's store (replicas=0), beside
+    a run without snapshots, interleaved `pairs` times; median seconds per step and ratios."""
+    worker = ["--steps", str(steps), "--save-every=100000", "--sleep=0"]
+    variants = {
+        "off": None,
+        "store": {"enabled": True, "every_steps": 1, "replicas": 0},
+        "buddy": {"enabled": True, "every_steps": 1, "replicas": 1},
+    }
+    per: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(pairs):
+        for name, snap in variants.items():
+            d = base / f"paths{i}-{name}"
+            cmd = _cmd(d, width, 10.0, *worker)
+            if snap is not None:
+                cmd[4:4] = ["--hot-recovery"]
+            _launch_to_end(d, cmd, snap or {"enabled": False})
+            _, median = _per_step(d / "rec", SETTLED if steps >= 2 * SETTLED else 5)
+            per[name].append(median)
+    ratio = {
+        k: [on / off for on, off in zip(per[k], per["off"], strict=True)]
+        for k in ("store", "buddy")
+    }
+    return {
+        "median_step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},
+        "ratios": {k: [round(x, 4) for x in v] for k, v in ratio.items()},
+        "store_overhead": round(statistics.median(ratio["store"]) - 1, 4),
+        "buddy_overhead": round(statistics.median(ratio["buddy"]) - 1, 4),
+    }
+
+
 def _floor(step_dir: Path, procs: int, *extra: str) -> float:
     """Seconds from spawning `procs` bare processes to the last one having loaded the
     checkpoint (each loads all of it, as each DDP rank does)."""
@@ -440,12 +472,24 @@ def main() -> None:
         help="FSDP2 instead of DDP: the kills (cold and hot, the replacement restored from its "
         "buddy's replica) and the overhead with replication; no in-place rollback (DDP only)",
     )
+    ap.add_argument(
+        "--replica-paths",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="only DDP's per-rank replica under --hot-recovery, to the buddy against through "
+        "the store, PAIRS interleaved rounds (JSON last line)",
+    )
     args = ap.parse_args()
     width = args.width or (512 if args.quick else 2048)
     kills = args.kills or (1 if args.quick else 3)
     grace = args.grace or (10.0 if args.quick else 30.0)
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_recovery_"))
     base.mkdir(parents=True, exist_ok=True)
+    if args.replica_paths:
+        got = _replica_paths(base, width, 100, args.replica_paths)
+        print(json.dumps({"bench": "replica_paths", "width": width, **got}))
+        return
     if args.overhead_only:
         got = _snapshot_overhead(base, width, 100, args.overhead_only, args.fsdp)
         print(json.dumps({"bench": "snapshot_overhead", "width": width, **got}))
