@@ -106,7 +106,8 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
 ) -> None:
     """The replacement gets the model and optimizer state from a survivor, and its own RNG
     and data position from its buddy (the next local rank here), or with replicas=0 from the
-    launcher's store."""
+    launcher's store. The kill comes as the step after snapshot 5 begins: the store's copy
+    of 5 is written by then, the buddy's may still be on its way (then 4: one step more)."""
     code, err = _run(
         tmp_path,
         nproc,
@@ -124,7 +125,8 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
     assert (spare["generation"], spare["after_first_step"]) == (1, True)
     formed = _events(tmp_path, "recovery.hot.formed")
     assert sorted(e["rank"] for e in formed) == list(range(nproc))
-    assert {e["to_step"] for e in formed} == {5}  # the step the kill interrupted: none lost
+    (to_step,) = {e["to_step"] for e in formed}
+    assert to_step == 5 or (replicas and to_step == 4), formed  # 5: the step the kill interrupted
     (new,) = [e for e in formed if not e["survivor"]]
     assert new["part_from"] == ((victim + 1) % nproc if replicas else "store")
     inits = _inits(tmp_path)

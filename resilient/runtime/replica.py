@@ -218,19 +218,16 @@ class BuddyReplicas:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         self._log.info("snapshot.replica", buddy=self.buddy, ward=self.ward)
 
-    def send(self, step: int, snapshot: dict[str, Any], *, background: bool = True) -> None:
-        """Send this rank's snapshot of `step` to the buddy, and receive the ward's of the
-        same step: in the background (the caller must not change `snapshot` until `wait()`
-        returned), or here and now for a small one (DDP's per-rank part)."""
+    def send(self, step: int, snapshot: dict[str, Any]) -> None:
+        """Start sending this rank's snapshot of `step` to the buddy, and receiving the
+        ward's of the same step, in the background. The caller must not change `snapshot`
+        until `wait()` returned."""
         if self.broken is not None or self.ctx.world_size < 2:
             return
         self.wait()
         if self._group is None:
             self._connect()
         payload = localize(snapshot)
-        if not background:
-            self._exchange(step, payload)
-            return
         self._thread = threading.Thread(
             target=self._exchange, args=(step, payload), name="resilient-replica", daemon=True
         )
