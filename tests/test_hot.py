@@ -107,7 +107,8 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
     """The replacement gets the model and optimizer state from a survivor, and its own RNG
     and data position from its buddy (the next local rank here), or with replicas=0 from the
     launcher's store. The kill comes as the step after snapshot 5 begins: the store's copy
-    of 5 is written by then, the buddy's may still be on its way (then 4: one step more)."""
+    of 5 is written by then; the buddy's may still be on its way, until the buddy reaches
+    its own snapshot 5 (then 4: one step more)."""
     code, err = _run(
         tmp_path,
         nproc,
@@ -244,7 +245,8 @@ def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
     assert (replace["rank"], replace["exit_code"]) == (1, exit_code)
     formed = _events(tmp_path, "recovery.hot.formed")
     assert sorted(e["rank"] for e in formed) == [0, 1]
-    assert {e["to_step"] for e in formed} == {5}
+    # 4 when rank 1 stopped before its part of snapshot 5 reached its buddy
+    assert {e["to_step"] for e in formed} in ({5}, {4}), formed
     first, second = _inits(tmp_path)[0]
     assert first == second  # rank 0 kept its process
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
@@ -524,7 +526,8 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
     assert (replace["rank"], replace["exit_code"], replace["generation"]) == (1, -9, 1)
     formed = [e for run in runs for e in run_events(run, "recovery.hot.formed")]
     assert sorted(e["rank"] for e in formed) == [0, 1]
-    assert {e["to_step"] for e in formed} == {5}
+    # 4 when rank 1 stopped before its part of snapshot 5 reached its buddy
+    assert {e["to_step"] for e in formed} in ({5}, {4}), formed
     (first, second), _ = [[int(e["pid"]) for e in run_events(run, "runtime.init")] for run in runs]
     assert first == second  # rank 0 kept its process
     for run in runs:

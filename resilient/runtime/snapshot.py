@@ -407,7 +407,8 @@ class Snapshots:
         elif self.replicas is not None:  # DDP: every survivor has the rest of it
             # A few KiB, in the background too: waiting for it here would wait for the buddy
             # to reach its own snapshot (+10% of a step at one snapshot a step, measured). A
-            # rank lost within the exchange (under a millisecond) costs one step more.
+            # rank lost before the exchange ended (the buddy's drift behind it: milliseconds)
+            # costs one step more.
             key = f"rank{self.ctx.rank}"
             self.replicas.send(step, {key: (self._buf[slot] or {}).get(key)})
         if self.replicate is not None:
