@@ -361,14 +361,8 @@ def _snapshot_overhead(
                     every.append(e["every_steps"])
                     if e.get("copy_s") and e.get("step_s"):
                         copy_over_step.append(e["copy_s"] / e["step_s"])
-    ratio = {
-        k: [on / off for on, off in zip(per[k], per["off"], strict=True)]
-        for k in ("every_step", "adaptive")
-    }
-    ratio_median = {
-        k: [on / off for on, off in zip(per_median[k], per_median["off"], strict=True)]
-        for k in ("every_step", "adaptive")
-    }
+    ratio = _over_off(per, ("every_step", "adaptive"))
+    ratio_median = _over_off(per_median, ("every_step", "adaptive"))
     return {
         "step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},
         "ratios": {k: [round(x, 4) for x in v] for k, v in ratio.items()},
@@ -398,6 +392,11 @@ def _snapshot_overhead(
     }
 
 
+def _over_off(per: dict[str, list[float]], keys: tuple[str, ...]) -> dict[str, list[float]]:
+    """Each variant's seconds per step over those of the "off" run of the same round."""
+    return {k: [on / off for on, off in zip(per[k], per["off"], strict=True)] for k in keys}
+
+
 def _replica_paths(base: Path, width: int, steps: int, pairs: int) -> dict[str, Any]:
     """DDP under --hot-recovery with a snapshot every step: the per-rank part of each
     snapshot to the buddy (replicas=1) or through the launcher's store (replicas=0), beside
@@ -418,10 +417,7 @@ def _replica_paths(base: Path, width: int, steps: int, pairs: int) -> dict[str, 
             _launch_to_end(d, cmd, snap or {"enabled": False})
             _, median = _per_step(d / "rec", SETTLED if steps >= 2 * SETTLED else 5)
             per[name].append(median)
-    ratio = {
-        k: [on / off for on, off in zip(per[k], per["off"], strict=True)]
-        for k in ("store", "buddy")
-    }
+    ratio = _over_off(per, ("store", "buddy"))
     return {
         "median_step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},
         "ratios": {k: [round(x, 4) for x in v] for k, v in ratio.items()},
