@@ -22,6 +22,7 @@ from resilient.errors import ConfigError
 
 __all__ = [
     "DEFAULT_GRACE_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "DEFAULT_SIGNALS",
     "ENV_ATTEMPT",
     "ENV_CHECKPOINT_DIR",
@@ -47,6 +48,7 @@ __all__ = [
     "int_env",
     "json_object_env",
     "parse_signals",
+    "watchdog_setting",
     "worker_store_prefix",
 ]
 
@@ -73,6 +75,9 @@ ENV_PREEMPT = "RESILIENT_PREEMPT"
 ENV_WATCHDOG = "RESILIENT_WATCHDOG"
 """JSON object of WatchdogConfig fields that override the defaults (not values passed to
 `resilient.init(watchdog=...)`), e.g. '{"timeout_s": 60}'; "0" or "off" disables the watchdog."""
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+"""WatchdogConfig.heartbeat_timeout_s by default; the agent reads the same setting (a worker
+stopped on its way into a hot generation is killed after it)."""
 
 ENV_STOP_AT = "RESILIENT_STOP_AT"
 """Set by `resilient check-resume`: leave steps()/epochs() after this many steps with a
@@ -167,6 +172,15 @@ def json_object_env(name: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ConfigError(f"${name} must be a JSON object, got {raw!r}")
     return parsed
+
+
+def watchdog_setting(name: str, default: Any) -> Any:
+    """Field `name` of $RESILIENT_WATCHDOG as the workers will read it; `default` when it is
+    not set there or the variable does not parse (each worker then says why)."""
+    try:
+        return json_object_env(ENV_WATCHDOG).get(name, default)
+    except ConfigError:
+        return default
 
 
 def int_env(name: str, default: int) -> int:

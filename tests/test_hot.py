@@ -562,12 +562,13 @@ def test_survivors_stopped_on_another_host_on_their_way_in_are_killed_by_its_age
     kills = run_events(runs[1], "recovery.hot.kill")
     assert kills and {(e["kind"], e["generation"]) for e in kills} == {("roll_call", 1)}, kills
     assert {e["rank"] for e in kills} <= {2, 3}, kills
+    assert all(e["reason"].startswith("stopped for 3.") for e in kills), kills  # the timeout
     detect = min(
         (e for e in run_events(runs[0], "recovery.hot.detect") if e["rank"] == 0),
         key=lambda e: e["ts"],
     )
     waited = max(_epoch(e["ts"]) for e in kills) - _epoch(detect["ts"])
-    assert 3 <= waited < 10, f"the stopped survivors were killed {waited:.1f} s after the loss"
+    assert waited < 10, f"the stopped survivors were killed {waited:.1f} s after the loss"
     for run in runs:
         assert len(run_events(run, "attempt.start")) == 2  # one cold restart, both nodes
     resumed = [e for e in run_events(runs[0], "runtime.resume") if e.get("from_checkpoint")]

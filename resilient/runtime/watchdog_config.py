@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from resilient.envvars import ENV_WATCHDOG, json_object_env
+from resilient.envvars import DEFAULT_HEARTBEAT_TIMEOUT_S, ENV_WATCHDOG, json_object_env
 from resilient.errors import ConfigError
 from resilient.runtime.phases import Phase
 
@@ -32,7 +32,7 @@ class WatchdogConfig:
     heartbeat_interval_s: float = 1.0
     """Each rank publishes a heartbeat and checks for a verdict this often; it is also the
     monitor's period, so detection takes at most the timeout plus this long."""
-    heartbeat_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     """No heartbeat for this long: the rank's process is dead or stopped."""
     timeout_s: float = 300.0
     """Progress timeout of the training phases (data, forward, backward, optimizer, step,

@@ -46,10 +46,12 @@ from torch.distributed.elastic.multiprocessing import SignalException
 
 from resilient import events as ev
 from resilient.envvars import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
     ENV_ATTEMPT,
     ENV_GENERATION,
     WATCHDOG_PREFIX,
     hot_store_prefix,
+    watchdog_setting,
     worker_store_prefix,
 )
 from resilient.exitcodes import ExitCode
@@ -146,7 +148,11 @@ class SupervisedAgent(ElasticAgentBase):
         self._verdict_poll_at = 0.0
         self._named_since: dict[int, float] = {}  # pid -> when a hot verdict first named it
         self._stopped_since: dict[int, float] = {}  # pid -> when first seen stopped, forming
-        self._watchdog = _watchdog_config()
+        # the workers' own settings: how long a stopped rank is given, and whether to kill it
+        self._stopped_limit_s = float(
+            watchdog_setting("heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S)
+        )
+        self._kill_stopped = bool(watchdog_setting("kill_stopped", True))
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -398,7 +404,7 @@ class SupervisedAgent(ElasticAgentBase):
         host (the process state); from another host they would wait `startup_timeout_s`
         (15 min by default). The kill is a failure while the generation forms: this node
         goes cold, and the others follow it into the next rendezvous round."""
-        if not self._watchdog.kill_stopped:
+        if not self._kill_stopped:
             return
         arrived = f"{self._hot_prefix()}/gen_{self._hot_gen}/arrived"
         if store.check([f"{arrived}/all"]):
@@ -412,7 +418,7 @@ class SupervisedAgent(ElasticAgentBase):
                 self._stopped_since.pop(pid, None)
                 continue
             first = self._stopped_since.setdefault(pid, now)
-            if now - first < self._watchdog.heartbeat_timeout_s:
+            if now - first < self._stopped_limit_s:
                 continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
@@ -586,18 +592,6 @@ class SupervisedAgent(ElasticAgentBase):
                     signal.signal(sig, signal.SIG_IGN)
             self._hooks.on_event("preempt.forward", signal=death_sig.name, grace_s=timeout)
         super().shutdown(death_sig, timeout)
-
-
-def _watchdog_config() -> Any:
-    """The workers' watchdog settings (the agent passes its environment on to them); the
-    defaults when they do not parse (each worker then says why)."""
-    from resilient.errors import ConfigError
-    from resilient.runtime.watchdog_config import WatchdogConfig
-
-    try:
-        return WatchdogConfig.from_env()
-    except (ConfigError, ValueError, TypeError):
-        return WatchdogConfig()
 
 
 def _is_stopped(pid: int) -> bool:
