@@ -119,6 +119,9 @@ _EXTENDED = {
     "preemption",
     # tests/test_elastic.py: a host killed (and cut off) twice, the other going on alone
     "node_loss",
+    # tests/test_checkpoint.py (truncated, deleted and corrupt files fall back to the
+    # previous checkpoint) and corrupt_then_kill, which CI runs
+    "truncate_delete",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])

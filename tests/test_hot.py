@@ -181,7 +181,9 @@ def test_two_ranks_lost_at_once_go_cold_and_still_end_bit_exact(
     assert len(_events(tmp_path, "attempt.start")) == 2  # one cold restart
 
 
-@pytest.mark.parametrize("policy", ["steps", "seconds"])
+# the step schedule: make soak only (CI's budget); the time policy is the one that needs the
+# catch-up save
+@pytest.mark.parametrize("policy", [pytest.param("steps", marks=pytest.mark.extended), "seconds"])
 def test_a_save_lost_with_the_peer_is_made_again(
     golden: dict[int, str], tmp_path: Path, policy: str
 ) -> None:
@@ -381,7 +383,8 @@ def test_fsdp2_without_replicas_says_why_and_loads_from_storage(
     assert not _events(tmp_path, "snapshot.replica")  # no replication was set up
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
+# the backward: make soak only (CI's budget); the same path as the forward's
+@pytest.mark.parametrize("phase", ["forward", pytest.param("backward", marks=pytest.mark.extended)])
 def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
     golden_fsdp: dict[int, str], tmp_path: Path, phase: str
 ) -> None:
@@ -535,6 +538,7 @@ def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
         assert not run_events(run, "attempt.start")[1:], "no cold restart"
 
 
+@pytest.mark.extended  # 45 s with its own 4-rank golden run; make soak runs it, CI does not
 def test_survivors_stopped_on_another_host_on_their_way_in_are_killed_by_its_agent(
     tmp_path: Path,
 ) -> None:
