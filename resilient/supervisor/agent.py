@@ -383,17 +383,7 @@ class SupervisedAgent(ElasticAgentBase):
                 continue
             if verdict.get("kind") != "no_heartbeat" and now - first < _NAMED_EXIT_GRACE_S:
                 continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
-            self._named_since[pid] = float("inf")  # once
-            self._hooks.on_event(
-                ev.RECOVERY_HOT_KILL,
-                rank=rank,
-                pid=pid,
-                kind=verdict.get("kind"),
-                reason=verdict.get("reason"),
-                generation=self._hot_gen,
-            )
+            self._kill_worker(pid, rank, verdict.get("kind"), verdict.get("reason"))
 
     def _kill_stopped_on_arrival(
         self, store: Any, worker_group: WorkerGroup, pids: dict[int, int], now: float
@@ -420,20 +410,22 @@ class SupervisedAgent(ElasticAgentBase):
             first = self._stopped_since.setdefault(pid, now)
             if now - first < self._stopped_limit_s:
                 continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            self._named_since[pid] = float("inf")  # once
-            self._hooks.on_event(
-                ev.RECOVERY_HOT_KILL,
-                rank=w.global_rank,
-                pid=pid,
-                kind="roll_call",
-                reason=(
-                    f"stopped for {now - first:.1f} s without arriving for generation "
-                    f"{self._hot_gen}"
-                ),
-                generation=self._hot_gen,
-            )
+            why = f"stopped for {now - first:.1f} s without arriving for generation {self._hot_gen}"
+            self._kill_worker(pid, w.global_rank, "roll_call", why)
+
+    def _kill_worker(self, pid: int, rank: int, kind: Any, reason: Any) -> None:
+        """SIGKILL this node's worker `pid` (once: `_named_since` marks it) and say why."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
+        self._named_since[pid] = float("inf")
+        self._hooks.on_event(
+            ev.RECOVERY_HOT_KILL,
+            rank=rank,
+            pid=pid,
+            kind=kind,
+            reason=reason,
+            generation=self._hot_gen,
+        )
 
     def _forming_reason(self, worker_group: WorkerGroup) -> str | None:
         """Why a failure now must go cold for the store's sake: the current generation is
