@@ -35,7 +35,6 @@ from resilient.checkpoint._dcp_fs import StorageFileSystem, VerifiedBytesFileSys
 from resilient.checkpoint._torch_compat import (
     metadata_path,
     planner_store,
-    read_location,
     read_span,
     tensor_in_record,
 )
@@ -159,8 +158,8 @@ class Verifier:
         error: str | None = None
         try:
             for item in plan.items:
-                name, length = read_location(reader, item.storage_index)
-                needs[name] = needs.get(name, 0) + length
+                span = read_span(reader, item.storage_index)
+                needs[span.file] = needs.get(span.file, 0) + span.length
         except Exception as e:  # reported after the agreement, never skipping a collective
             error = f"rank {self.rank}: cannot map DCP's reads to files: {type(e).__name__}: {e}"
         everyone: list[dict[str, int]] = self.gather(needs)
@@ -276,10 +275,10 @@ class _SafeReader(FileSystemReader):
         if item.type != LoadItemType.TENSOR:
             return False
         span = read_span(self, item.storage_index)
-        data = None if span is None else self.fs.verified.get(span[0])
-        if span is None or data is None:
+        data = None if span.transformed else self.fs.verified.get(span.file)
+        if data is None:
             return False
-        source = tensor_in_record(data, span[1], span[2])
+        source = tensor_in_record(data, span.offset, span.length)
         if source is None:
             return False
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
@@ -287,7 +286,7 @@ class _SafeReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if target.size() != source.size():
             raise CheckpointCorruptError(
-                f"{span[0]}: record of {item.dest_index.fqn} holds {tuple(source.size())}, "
+                f"{span.file}: record of {item.dest_index.fqn} holds {tuple(source.size())}, "
                 f"the destination is {tuple(target.size())}"
             )
         target.copy_(source)

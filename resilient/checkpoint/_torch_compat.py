@@ -26,7 +26,7 @@ import threading
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 import torch.serialization
@@ -34,15 +34,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from resilient._torch_check import TorchCompatError, missing
+from resilient._transfer import MemoryReader
 
 __all__ = [
     "FQNS_UNAVAILABLE",
+    "RecordSpan",
     "fqns_of",
     "metadata_path",
     "no_init_step",
     "no_zip_crc32_in_this_thread",
     "planner_store",
-    "read_location",
     "read_span",
     "tensor_in_record",
 ]
@@ -95,20 +96,23 @@ if not set(getattr(_StorageInfo, "__annotations__", {})) >= _FIELDS:  # pragma: 
     raise _missing("_StorageInfo.relative_path/offset/length", "fields not found")
 
 
-def read_location(reader: FileSystemReader, storage_index: Any) -> tuple[str, int]:
-    """(file name, bytes) that DCP reads for one ReadItem's `storage_index`, from the
-    reader's storage_data (set by set_up_storage_reader)."""
-    info = reader.storage_data[storage_index]
-    return str(info.relative_path), int(info.length)
+class RecordSpan(NamedTuple):
+    """Where DCP reads one ReadItem's record: its file, byte offset and length there."""
+
+    file: str
+    offset: int
+    length: int
+    transformed: bool
+    """It went through a stream transform (`_extensions`) on its way to the file: its bytes
+    there are not a torch.save archive."""
 
 
-def read_span(reader: FileSystemReader, storage_index: Any) -> tuple[str, int, int] | None:
-    """(file name, offset, bytes) of one ReadItem's record as it lies in the file; None when
-    the record went through a stream transform (`_extensions`) on its way to the file."""
+def read_span(reader: FileSystemReader, storage_index: Any) -> RecordSpan:
+    """The record DCP reads for one ReadItem's `storage_index`, from the reader's
+    storage_data (set by set_up_storage_reader)."""
     info = reader.storage_data[storage_index]
-    if getattr(info, "transform_descriptors", None):
-        return None
-    return str(info.relative_path), int(info.offset), int(info.length)
+    transformed = bool(getattr(info, "transform_descriptors", None))
+    return RecordSpan(str(info.relative_path), int(info.offset), int(info.length), transformed)
 
 
 # --- 4. torch.save's zip CRC, off in our writer threads only ------------------------------------
@@ -234,8 +238,6 @@ def tensor_in_record(buffer: Any, offset: int, length: int) -> torch.Tensor | No
     """A tensor viewing the torch.save archive at `buffer[offset:offset + length]` in place
     (the archive's one tensor, as torch.load would return it), or None when it does not
     have the plain layout described above. Read it only while `buffer` is alive."""
-    from resilient._transfer import MemoryReader
-
     if IN_PLACE_UNAVAILABLE is not None:
         return None
     record = memoryview(buffer).cast("B")[offset : offset + length]
