@@ -447,8 +447,7 @@ def resume(rt: Runtime) -> Resumed | None:
     # optimizer state, and its buddy (or, with replicas=0, the store) its per-rank part;
     # sharded state only its buddy
     source: dict[int, int] = {}
-    part_from: dict[int, int] = {}
-    """Replacement -> the survivor that holds its per-rank part (DDP with replicas)."""
+    part_from: dict[int, int] = {}  # replacement -> the survivor holding its per-rank part
     restorable: dict[int, set[int]] = {}
     for r, m in enumerate(every):
         if m["survivor"]:

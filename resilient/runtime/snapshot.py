@@ -401,6 +401,7 @@ class Snapshots:
         self._buf[slot] = _copy(self._buf[slot], live)
         self._steps[slot] = step
         self._newest = slot
+        key = f"rank{self.ctx.rank}"  # this rank's per-rank part of a snapshot
         if self.replicas is not None and self.sharded:
             self.replicas.send(step, self._buf[slot] or {})  # in the background
             self._spans = [*self._spans[-(_WINDOW - 1) :], 0]
@@ -409,10 +410,8 @@ class Snapshots:
             # to reach its own snapshot (+10% of a step at one snapshot a step, measured). A
             # rank lost before the exchange ended (the buddy's drift behind it: milliseconds)
             # costs one step more.
-            key = f"rank{self.ctx.rank}"
             self.replicas.send(step, {key: (self._buf[slot] or {}).get(key)})
         if self.replicate is not None:
-            key = f"rank{self.ctx.rank}"
             self.replicate(
                 {s: b[key] for s, b in zip(self._steps, self._buf, strict=True) if s >= 0 and b}
             )
