@@ -80,6 +80,9 @@ def _lazy_worker(rank: int, port: int, out: str) -> None:
         else:
             group = dist.new_group(backend="gloo")
         counts[mode] = _sockets() - before  # its listener, and the pairs connected so far
+        # A peer's first collective on a lazy group connects to this rank's listener: wait
+        # for every rank to count (on the world group, whose pairs exist) before any reduces.
+        dist.barrier()
         t = torch.ones(1)
         dist.all_reduce(t, group=group)
         counts[f"{mode}_sum"] = int(t.item())
