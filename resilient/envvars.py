@@ -37,6 +37,7 @@ __all__ = [
     "ENV_SCRATCH",
     "ENV_SNAPSHOT",
     "ENV_STOP_AT",
+    "ENV_STORE",
     "ENV_WATCHDOG",
     "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_RESTART_COUNT",
@@ -65,6 +66,11 @@ ENV_ATTEMPT = "RESILIENT_ATTEMPT"
 """The attempt id every agent of a rendezvous round agreed on; the workers prefix their store
 with it (docs/internals.md#g-per-attempt-store). Set by the supervisor's agent before it
 starts workers; without it the workers use TORCHELASTIC_RESTART_COUNT."""
+ENV_STORE = "RESILIENT_STORE"
+"""host:port of the store the group-rank-0 agent hosts for this rendezvous round, set by the
+supervisor's agent when torch would have worker rank 0 host it (several nodes:
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE). The workers connect to it as clients instead of
+MASTER_ADDR:MASTER_PORT, so that losing any worker, rank 0 included, leaves the store up."""
 ENV_GRACE_S = "RESILIENT_GRACE_S"
 """Seconds from a preemption signal to SIGKILL (set by `resilient run --grace-period`)."""
 ENV_PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"

@@ -154,9 +154,8 @@ def carried() -> bool:
 
 
 def carried_store() -> Any:
-    """A survivor's connection to the launcher's store, for its re-run (None elsewhere). With
-    several nodes worker rank 0 hosts that store (docs/internals.md#g-rdzv-shared-store): the
-    re-run must go on serving it, not open a second server on the same port."""
+    """A survivor's connection to the launcher's store, for its re-run (None elsewhere): the
+    re-run goes on with the connection it has, and never opens a server of its own."""
     return None if _carry is None else _carry.store
 
 
@@ -306,8 +305,8 @@ def await_generation() -> int:
                 return _carry.generation
             failing_since = None
         except (RuntimeError, dist.DistError, ValueError) as e:
-            # briefly unreachable: keep trying; gone (its host, worker rank 0 with several
-            # nodes, was the lost process): no generation can come, so say so now
+            # briefly unreachable: keep trying; gone (its host, the node of group rank 0's
+            # agent, was lost): no generation can come, so say so now
             failing_since = failing_since or time.monotonic()
             if time.monotonic() - failing_since >= _STORE_GONE_S:
                 reason = f"the launcher's store is unreachable: {str(e)[:200]}"

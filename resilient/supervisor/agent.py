@@ -49,6 +49,7 @@ from resilient.envvars import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     ENV_ATTEMPT,
     ENV_GENERATION,
+    ENV_STORE,
     WATCHDOG_PREFIX,
     hot_store_prefix,
     watchdog_setting,
@@ -60,7 +61,7 @@ from resilient.supervisor.spare import Spare
 
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
 
-_ATTEMPT_KEY = "resilient/attempt_id"
+_ROUND_KEY = "resilient/round"
 _SPARE_DEFER_MAX_S = 30.0
 """How long after a hot replacement the next spare may wait for the new generation's first
 step (then it starts anyway): see SupervisedAgent._start_spare_when_stepped."""
@@ -139,6 +140,8 @@ class SupervisedAgent(ElasticAgentBase):
         self._hot_max = hot_max
         self._hot_gen = 0
         self._hot_store: Any = None
+        self._round_store: Any = None
+        """The workers' store this agent hosts for the round (group rank 0, several nodes)."""
         self._hot_store_lost: str | None = None
         """Why the workers' store failed once: every later use would block for its timeout."""
         self._spare = Spare() if hot_max else None
@@ -169,11 +172,16 @@ class SupervisedAgent(ElasticAgentBase):
 
     # ------------------------------------------------------------------ start
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self.attempt_id = self._agree_attempt_id(worker_group)
+        self._hot_store = self._round_store = None  # the last round's server closes with it
+        self.attempt_id, store_addr = self._agree_round(worker_group)
         os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
+        if store_addr:
+            os.environ[ENV_STORE] = store_addr
+        else:
+            os.environ.pop(ENV_STORE, None)
         self._roots = {}
         self._handled = False
-        self._hot_gen, self._hot_store, self._hot_store_lost = 0, None, None
+        self._hot_gen, self._hot_store_lost = 0, None
         self._spare_after = None
         self._verdict_poll_at, self._named_since, self._stopped_since = 0.0, {}, {}
         pids = super().start_workers(worker_group)
@@ -188,17 +196,39 @@ class SupervisedAgent(ElasticAgentBase):
         )
         return pids
 
-    def _agree_attempt_id(self, worker_group: WorkerGroup) -> str:
+    def _agree_round(self, worker_group: WorkerGroup) -> tuple[str, str]:
+        """The attempt id and the workers' store address ("" for torch's own) that every
+        agent of this rendezvous round uses; the agent of group rank 0 decides both.
+
+        The store: where torch would have worker rank 0 host the workers' store (several
+        nodes, TORCH_DISABLE_SHARE_RDZV_TCP_STORE: docs/internals.md#g-rdzv-shared-store),
+        this agent hosts one instead, fresh for the round (`_host_round_store`). A store in a
+        worker dies with it, and with it the group's way to re-form: the loss of worker rank
+        0 could only go cold. The workers find it in ENV_STORE."""
         store = worker_group.store
         if store is None:
-            return f"r{self.restart_count}"
+            return f"r{self.restart_count}", ""
         # The dynamic (c10d, etcd) rendezvous hands out a store prefixed by its round, fresh
         # each round; the static one reuses its store, where restart counts agree anyway.
         static = worker_group.spec.rdzv_handler.get_backend() == "static"
-        key = f"{_ATTEMPT_KEY}/{self.restart_count}" if static else _ATTEMPT_KEY
+        key = f"{_ROUND_KEY}/{self.restart_count}" if static else _ROUND_KEY
         if worker_group.group_rank == 0:
-            store.set(key, f"r{self.restart_count}-{uuid.uuid4().hex[:8]}")
-        return bytes(store.get(key)).decode()
+            attempt = f"r{self.restart_count}-{uuid.uuid4().hex[:8]}"
+            addr = self._host_round_store(worker_group)
+            store.set(key, json.dumps({"attempt": attempt, "store": addr}))
+        agreed = json.loads(bytes(store.get(key)))
+        return str(agreed["attempt"]), str(agreed["store"])
+
+    def _host_round_store(self, worker_group: WorkerGroup) -> str:
+        """Start this round's workers' store in this process, where the workers would host it
+        otherwise; returns its "host:port", or "" when torch's agent store serves already."""
+        if worker_group.spec.rdzv_handler.use_agent_store:
+            return ""
+        from torch.distributed import TCPStore
+
+        host = str(worker_group.master_addr)  # this node's address, as the rendezvous gave it
+        self._round_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return f"{host}:{self._round_store.port}"
 
     # ------------------------------------------------------------------ monitor
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -366,7 +396,7 @@ class SupervisedAgent(ElasticAgentBase):
         except Exception as e:
             if reached:
                 self._hot_store_lost = str(e)[:300]
-            else:  # not up yet: with several nodes worker rank 0 starts it
+            else:  # not up yet: a worker of this round may host it (a user's own group)
                 self._verdict_poll_at = now + 1.0
             return
         if self._hot_gen and not verdict:
@@ -448,19 +478,25 @@ class SupervisedAgent(ElasticAgentBase):
         return None
 
     def _hot_workers_store(self, worker_group: WorkerGroup) -> Any:
-        """A client of the store the workers use (MASTER_ADDR:MASTER_PORT of their env)."""
+        """The store the workers use: this agent's own for the round, or a client of it (the
+        round's ENV_STORE, else MASTER_ADDR:MASTER_PORT of the workers' env)."""
         if self._hot_store_lost is not None:
             raise RuntimeError(self._hot_store_lost)
+        if self._hot_store is None and self._round_store is not None:
+            self._hot_store = self._round_store  # this agent hosts it
         if self._hot_store is None:
             from datetime import timedelta
 
             from torch.distributed import TCPStore
 
-            w = worker_group.workers[0]
-            env = self.worker_env(w.local_rank)
+            env = self.worker_env(worker_group.workers[0].local_rank)
+            hosted = os.environ.get(ENV_STORE, "")  # set by start_workers for the round
+            host, port = (
+                hosted.rsplit(":", 1) if hosted else (env["MASTER_ADDR"], env["MASTER_PORT"])
+            )
             self._hot_store = TCPStore(
-                env["MASTER_ADDR"],
-                int(env["MASTER_PORT"]),
+                host,
+                int(port),
                 is_master=False,
                 timeout=timedelta(seconds=_STORE_TIMEOUT_S),
                 wait_for_workers=False,

@@ -132,7 +132,8 @@ def main(argv: list[str]) -> int:
         # torch 2.13's dynamic rendezvous shares the rank-0 agent's TCPStore with the workers
         # but publishes its address only in the round it was created: a node joining a later
         # round waits for MASTER_ADDR forever (docs/internals.md#g-rdzv-shared-store). Unshared,
-        # each round publishes a fresh address and worker rank 0 hosts the store.
+        # each round publishes a fresh address, and the group-rank-0 agent hosts the workers'
+        # store for the round (agent.py, _agree_round), where torch would have worker rank 0.
         os.environ.setdefault(TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
     os.environ[ENV_RUN_DIR] = cfg.run_dir
     if cfg.checkpoint_url is not None:
