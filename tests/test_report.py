@@ -400,3 +400,36 @@ def test_a_hot_replacement_of_rank_0_is_not_a_new_attempt(tmp_path: Path):
     assert rep.faults[0].restart_s == pytest.approx(0.6, abs=1e-3)
     assert rep.faults[1].restart_s == pytest.approx(3.0, abs=1e-3)  # to the cold resume at 16
     assert rep.faults[1].steps_lost == 2  # steps 8 and 9 ran again
+
+
+def test_a_fault_right_after_a_rollback_is_labelled_before_rank_0_says_it_is_done(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 raises at t=4 and both roll back; rank 1 is done at t=5.0 and raises again at
+    t=5.1, before rank 0 logs its own rollback.done (t=5.2). The second raise is the cold
+    restart's fault, not an unknown one (a CI run saw it labelled "unknown")."""
+    r0 = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "step": 0, "t": 1.0},
+        _progress(0, 0, 2, 1.0, 1.0),
+        {"event": "rollback.agreed", "rank": 0, "restart": 0, "step": 3, "t": 4.1},
+        {"event": "rollback.done", "rank": 0, "restart": 0, "t": 5.2},
+        {"event": "rollback.refused", "rank": 0, "restart": 0, "step": 3, "t": 5.3},
+        {"event": "runtime.init", "rank": 0, "restart": 1, "t": 8.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 1, "step": 0, "t": 9.0},
+        _progress(1, 0, 5, 9.0, 1.0),
+    ]
+    r1 = [{"event": "rollback.done", "rank": 1, "restart": 0, "t": 5.0}]
+    _write(tmp_path, "rank0.jsonl", r0)
+    _write(tmp_path, "rank1.jsonl", r1)
+    raises = [
+        {"event": "chaos.fault", "kind": "raise", "target_rank": 1, "pid": 1, "t": t}
+        for t in (4.0, 5.1)
+    ]
+    _write(tmp_path, "chaos.jsonl", raises)
+    faults = analyze(tmp_path).faults
+    assert [(f.kind, f.recovery) for f in faults] == [
+        ("raise", "hot rollback"),
+        ("raise", "cold restart"),
+    ]
+    assert [f.fault_t for f in faults] == [pytest.approx(T0 + 4.0), pytest.approx(T0 + 5.1)]

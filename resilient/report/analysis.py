@@ -511,7 +511,17 @@ def _recoveries(
                 recovery=kind,
             )
         )
-        prev_t = t
+        # the next fault may come as soon as the first rank is done with this recovery, before
+        # rank 0 says so (a rank that raised again at once: its fault is the next one's)
+        same = str(done.get("event")) if done is not None else None
+        prev_t = min(
+            (
+                e["t"]
+                for e in events
+                if e.get("event") == same and int(e.get("restart", 0)) == a and prev_t < e["t"] <= t
+            ),
+            default=t,
+        )
     return out
 
 
