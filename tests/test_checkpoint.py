@@ -228,6 +228,46 @@ def test_a_verified_load_copies_every_tensor_from_the_bytes_it_checked(
     assert c.digest() == a.digest() and not seen
 
 
+def test_the_check_of_a_ranks_own_files_starts_with_its_plan_and_still_refuses_corruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files a rank wrote and reads are checked in a thread of their own from the moment
+    DCP has the local plan (overlapping the plan exchange); a flipped byte found there still
+    refuses the checkpoint before any tensor is touched, and the load falls back."""
+    import threading
+
+    from resilient.checkpoint._dcp_read import Verifier
+
+    real = Verifier._check_file
+    where: dict[str, str] = {}
+
+    def recording(self: Verifier, name: str, *, keep: bool) -> Any:
+        where[f"{self.rel}/{name}"] = threading.current_thread().name
+        return real(self, name, keep=keep)
+
+    monkeypatch.setattr(Verifier, "_check_file", recording)
+    a = Trainee(0)
+    a.train(2)
+    mgr = manager(tmp_path)
+    mgr.save(a.state(), step=2)
+    at_2 = a.digest()
+    a.train(2)
+    mgr.save(a.state(), step=4)
+    mgr.close()
+    b = Trainee(1)
+    assert manager(tmp_path).load_latest(b.state()) == 4 and b.digest() == a.digest()
+    assert where == {f"{step_dir(4)}/__0_0.distcp": "resilient-check"}, where
+    target = tmp_path / step_dir(4) / "__0_0.distcp"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    where.clear()
+    c = Trainee(2)
+    assert manager(tmp_path).load_latest(c.state()) == 2  # step 4 refused, step 2 loaded
+    assert c.digest() == at_2
+    assert where[f"{step_dir(4)}/__0_0.distcp"] == "resilient-check"
+
+
 def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(obj, dict):
         return [kv for k, v in obj.items() for kv in _flatten(v, f"{prefix}.{k}")]

@@ -14,6 +14,10 @@
   `buffer_bytes` per rank the files are checked in a streaming pass and DCP reads them again.
 - Copied once: a tensor whose verified bytes this rank keeps is copied from them straight
   into its destination (`tensor_in_record`), not through torch.load's fresh tensor first.
+- Checked ahead: the moment DCP has this rank's local plan, a thread starts checking the
+  files this rank wrote and reads (its likely share on the same world size), so that the
+  disk read overlaps DCP's exchange of plans; the share is still agreed before any result
+  counts, and results for files outside it are dropped.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import re
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +58,8 @@ __all__ = [
 ]
 
 METADATA = ".metadata"
+_WRITER = re.compile(r"__(\d+)_")
+"""DCP's FileSystemWriter names each rank's files `__<rank>_<n>.distcp`."""
 
 
 class VerificationFailed(CheckpointCorruptError):
@@ -128,6 +136,7 @@ class Verifier:
     """All-gather of a picklable object over the load's process group (every rank calls)."""
     buffer_bytes: int
     """Most bytes this rank keeps in memory to serve DCP's reads from verified bytes."""
+    _ahead: _CheckAhead | None = field(default=None, init=False)
 
     def problem(self, name: str, want: FileEntry, size: int | None, value: int | None) -> str:
         if size is None:
@@ -154,12 +163,11 @@ class Verifier:
         Raises VerificationFailed (problems found) or CheckpointError (a rank could not read)
         on every rank alike.
         """
+        ahead, self._ahead = self._ahead, None
         needs: dict[str, int] = {}
         error: str | None = None
         try:
-            for item in plan.items:
-                span = read_span(reader, item.storage_index)
-                needs[span.file] = needs.get(span.file, 0) + span.length
+            needs = _needs(reader, plan)
         except Exception as e:  # reported after the agreement, never skipping a collective
             error = f"rank {self.rank}: cannot map DCP's reads to files: {type(e).__name__}: {e}"
         everyone: list[dict[str, int]] = self.gather(needs)
@@ -170,8 +178,13 @@ class Verifier:
                 raise CheckpointError(error)
             mine = self._share(everyone)
             keep = sum(self.manifest.files[n].size for n in mine) <= self.buffer_bytes
+            checked = ahead.results() if ahead is not None else {}
             for name in mine:
-                data, problem = self._check_file(name, keep=keep)
+                if name in checked:
+                    data, problem = _outcome(checked[name])
+                    data = data if keep else None
+                else:
+                    data, problem = self._check_file(name, keep=keep)
                 if problem is not None:
                     problems.append(problem)
                 elif data is not None:
@@ -192,13 +205,36 @@ class Verifier:
             raise CheckpointError("could not verify the checkpoint: " + "; ".join(errors))
         return kept
 
+    def check_ahead(self, reader: FileSystemReader, plan: LoadPlan) -> None:
+        """Start checking this rank's likely share in a thread (see the module doc): on the
+        same world size, the files it wrote that it reads. Never raises: without a guess the
+        check runs in verify_for as before."""
+        if self._ahead is not None or self.manifest.world_size != self.world_size:
+            return
+        try:
+            needs = _needs(reader, plan)
+        except Exception:
+            return
+        names = sorted(n for n in needs if n in self.manifest.files and _writer(n) == self.rank)
+        if names:
+            keep = sum(self.manifest.files[n].size for n in names) <= self.buffer_bytes
+            self._ahead = _CheckAhead(self, names, keep=keep)
+
+    def drop_ahead(self) -> None:
+        """A load that ends before verify_for: the thread stops after its current file."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.cancel()
+
     def _share(self, everyone: list[dict[str, int]]) -> list[str]:
-        """The files this rank checks: those it reads most of, and its turn of the rest."""
+        """The files this rank checks: those it reads most of (its own on a tie, as a
+        replicated DDP state has every rank read every file), and its turn of the rest."""
         mine = []
         names = sorted(n for n in self.manifest.files if n != METADATA)
         for i, name in enumerate(names):
             reads = [needs.get(name, 0) for needs in everyone]
-            owner = max(range(len(reads)), key=lambda r: (reads[r], -r))
+            writer = _writer(name)
+            owner = max(range(len(reads)), key=lambda r: (reads[r], r == writer, -r))
             if reads[owner] == 0:
                 owner = i % len(reads)
             if owner == self.rank:
@@ -222,6 +258,57 @@ class Verifier:
         if size != want.size or value != want.checksum:
             return None, self.problem(name, want, size, value)
         return data, None
+
+
+def _needs(reader: FileSystemReader, plan: LoadPlan) -> dict[str, int]:
+    """file -> bytes of it that `plan` reads."""
+    needs: dict[str, int] = {}
+    for item in plan.items:
+        span = read_span(reader, item.storage_index)
+        needs[span.file] = needs.get(span.file, 0) + span.length
+    return needs
+
+
+def _writer(name: str) -> int | None:
+    m = _WRITER.match(name)
+    return int(m.group(1)) if m else None
+
+
+_Checked = tuple[Buffer | None, str | None] | BaseException
+
+
+def _outcome(checked: _Checked) -> tuple[Buffer | None, str | None]:
+    if isinstance(checked, BaseException):
+        raise checked  # as if the check had run here
+    return checked
+
+
+class _CheckAhead:
+    """Verifier._check_file over `names`, in a thread of its own."""
+
+    def __init__(self, verifier: Verifier, names: list[str], *, keep: bool) -> None:
+        self._checked: dict[str, _Checked] = {}
+        self._cancelled = False
+        self._thread = threading.Thread(
+            target=self._run, args=(verifier, names, keep), name="resilient-check", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, verifier: Verifier, names: list[str], keep: bool) -> None:
+        for name in names:
+            if self._cancelled:
+                return
+            try:
+                self._checked[name] = verifier._check_file(name, keep=keep)
+            except BaseException as e:  # raised again where the result is used
+                self._checked[name] = e
+
+    def results(self) -> dict[str, _Checked]:
+        self._thread.join()
+        return self._checked
+
+    def cancel(self) -> None:
+        self._cancelled = True
 
 
 class _SafeReader(FileSystemReader):
@@ -256,6 +343,12 @@ class _SafeReader(FileSystemReader):
         meta.load_id = self.load_id
         md.storage_meta = meta
         return md
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)
+        if self.verifier is not None:
+            self.verifier.check_ahead(self, plan)
+        return plan
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         if self.verifier is None:

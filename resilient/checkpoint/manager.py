@@ -466,13 +466,16 @@ class CheckpointManager:
         template = state.load_template(
             rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved
         )
-        dcp.load(
-            template,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(),
-            process_group=self._pg,
-            no_dist=not self._distributed,
-        )
+        try:
+            dcp.load(
+                template,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
+        finally:
+            verifier.drop_ahead()  # a load that failed before its check
         state.apply(template, rank=self.rank)
 
     def _check_fits(self, state: TrainState, saved: dict[str, Any], step: int) -> None:
