@@ -46,6 +46,7 @@ __all__ = [
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "WATCHDOG_PREFIX",
+    "hosted_store",
     "int_env",
     "json_object_env",
     "parse_signals",
@@ -187,6 +188,15 @@ def watchdog_setting(name: str, default: Any) -> Any:
         return json_object_env(ENV_WATCHDOG).get(name, default)
     except ConfigError:
         return default
+
+
+def hosted_store() -> tuple[str, int] | None:
+    """(host, port) of the store in $RESILIENT_STORE (ENV_STORE); None when it is not set."""
+    value = os.environ.get(ENV_STORE, "")
+    if not value:
+        return None
+    host, port = value.rsplit(":", 1)
+    return host, int(port)
 
 
 def int_env(name: str, default: int) -> int:

@@ -30,10 +30,10 @@ from resilient.envvars import (
     ENV_ATTEMPT,  # re-exported: its old home
     ENV_GENERATION,
     ENV_RUN_ID,
-    ENV_STORE,
     TORCHELASTIC_RESTART_COUNT,
     TORCHELASTIC_RUN_ID,
     TORCHELASTIC_USE_AGENT_STORE,
+    hosted_store,
     int_env,
     worker_store_prefix,
 )
@@ -122,13 +122,13 @@ def init_distributed(
     user_group = dist.is_initialized()
     if store is None:
         # when the user made the group, this is our own client connection to the launcher's store
-        hosted = os.environ.get(ENV_STORE, "")  # the agent's, on several nodes (envvars.py)
-        addr, port = hosted.rsplit(":", 1) if hosted else (os.environ["MASTER_ADDR"], "")
+        hosted = hosted_store()  # the agent's, on several nodes (envvars.py)
+        addr, port = hosted or (os.environ["MASTER_ADDR"], int_env("MASTER_PORT", 0))
         store = dist.TCPStore(
             addr,
-            int(port) if port else int_env("MASTER_PORT", 0),
+            port,
             world_size=world,
-            is_master=(rank == 0 and not agent_store and not user_group and not hosted),
+            is_master=(rank == 0 and not agent_store and not user_group and hosted is None),
             timeout=timeout,
             wait_for_workers=False,
         )

@@ -51,6 +51,7 @@ from resilient.envvars import (
     ENV_GENERATION,
     ENV_STORE,
     WATCHDOG_PREFIX,
+    hosted_store,
     hot_store_prefix,
     watchdog_setting,
     worker_store_prefix,
@@ -140,8 +141,9 @@ class SupervisedAgent(ElasticAgentBase):
         self._hot_max = hot_max
         self._hot_gen = 0
         self._hot_store: Any = None
-        self._round_store: Any = None
-        """The workers' store this agent hosts for the round (group rank 0, several nodes)."""
+        """The workers' store as this agent uses it: the server itself when this agent hosts
+        it for the round (group rank 0, several nodes; this reference keeps it up), else a
+        client made at first use."""
         self._hot_store_lost: str | None = None
         """Why the workers' store failed once: every later use would block for its timeout."""
         self._spare = Spare() if hot_max else None
@@ -172,7 +174,7 @@ class SupervisedAgent(ElasticAgentBase):
 
     # ------------------------------------------------------------------ start
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self._hot_store = self._round_store = None  # the last round's server closes with it
+        self._hot_store = None  # the last round's server, if this agent hosted it, closes
         self.attempt_id, store_addr = self._agree_round(worker_group)
         os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
         if store_addr:
@@ -227,8 +229,8 @@ class SupervisedAgent(ElasticAgentBase):
         from torch.distributed import TCPStore
 
         host = str(worker_group.master_addr)  # this node's address, as the rendezvous gave it
-        self._round_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        return f"{host}:{self._round_store.port}"
+        self._hot_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return f"{host}:{self._hot_store.port}"
 
     # ------------------------------------------------------------------ monitor
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -482,21 +484,17 @@ class SupervisedAgent(ElasticAgentBase):
         round's ENV_STORE, else MASTER_ADDR:MASTER_PORT of the workers' env)."""
         if self._hot_store_lost is not None:
             raise RuntimeError(self._hot_store_lost)
-        if self._hot_store is None and self._round_store is not None:
-            self._hot_store = self._round_store  # this agent hosts it
         if self._hot_store is None:
             from datetime import timedelta
 
             from torch.distributed import TCPStore
 
-            env = self.worker_env(worker_group.workers[0].local_rank)
-            hosted = os.environ.get(ENV_STORE, "")  # set by start_workers for the round
-            host, port = (
-                hosted.rsplit(":", 1) if hosted else (env["MASTER_ADDR"], env["MASTER_PORT"])
-            )
+            address = hosted_store()  # set by start_workers for the round
+            if address is None:
+                env = self.worker_env(worker_group.workers[0].local_rank)
+                address = env["MASTER_ADDR"], int(env["MASTER_PORT"])
             self._hot_store = TCPStore(
-                host,
-                int(port),
+                *address,
                 is_master=False,
                 timeout=timedelta(seconds=_STORE_TIMEOUT_S),
                 wait_for_workers=False,
