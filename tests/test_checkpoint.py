@@ -725,6 +725,39 @@ def test_retention_keeps_the_checkpoint_it_just_wrote(tmp_path: Path, events: Ev
     assert events("ckpt.save.skipped") == []
 
 
+def test_a_deletion_cut_short_leaves_no_committed_checkpoint_with_files_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: Events
+) -> None:
+    """Retention removes a checkpoint's manifest before its files: when the rest of the
+    deletion fails (or the process dies there), what remains is an unfinished save that
+    loads skip and the next retention removes, not a committed checkpoint that is torn."""
+    root = tmp_path / "ckpt"
+    t = Trainee(0)
+    mgr = manager(root, keep_last=1)
+    t.train(1, seed=1)
+    mgr.save(t.state(), step=1)
+    real = mgr.storage.remove_tree
+
+    def failing(rel: str) -> None:
+        raise OSError(f"injected: cannot remove {rel}")
+
+    monkeypatch.setattr(mgr.storage, "remove_tree", failing)
+    t.train(1, seed=2)
+    mgr.save(t.state(), step=2)
+    assert (root / step_dir(1)).is_dir() and not (root / step_dir(1) / "manifest.json").exists()
+    assert any((root / step_dir(1)).iterdir())  # its data files are still there
+    assert committed_steps(root) == [2]
+    assert [i.committed for i in mgr.list()] == [False, True]
+    assert len(events("ckpt.retention.failed")) == 1
+
+    monkeypatch.setattr(mgr.storage, "remove_tree", real)
+    t.train(1, seed=3)
+    mgr.save(t.state(), step=3)
+    assert not (root / step_dir(1)).exists() and committed_steps(root) == [3]
+    mgr.close()
+    assert load_digest(root, 3) == t.digest()
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_missing_location_is_a_fresh_start_then_created_on_save(
     tmp_path: Path, events: Events

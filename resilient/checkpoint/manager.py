@@ -276,7 +276,7 @@ class CheckpointManager:
     def _prepare_dir(self, rel: str) -> str:
         if parse_step_dir(rel) in self._rejected:
             self._log.warning("ckpt.save.replace_invalid", dir=rel)
-            self.storage.remove_tree(rel)
+            self._delete(rel)
         else:
             present = self.storage.list_sizes(rel, missing_ok=True)  # one request on S3
             if MANIFEST_NAME in present:
@@ -336,8 +336,15 @@ class CheckpointManager:
                 reason = "unfinished save older than the newest checkpoint"
             else:
                 continue  # may be a save in flight elsewhere: never touched
-            self.storage.remove_tree(step_dir(info.step))
+            self._delete(step_dir(info.step))
             self._log.info("ckpt.retention.delete", step=info.step, reason=reason)
+
+    def _delete(self, rel: str) -> None:
+        """Delete checkpoint directory `rel`, its manifest first: a deletion cut short (a
+        kill, a storage error) leaves an unfinished save, which loads skip and retention
+        finishes later, never a committed checkpoint with files missing."""
+        self.storage.remove_file(f"{rel}/{MANIFEST_NAME}")
+        self.storage.remove_tree(rel)
 
     # ---------------------------------------------------------------- load
     def load_latest(self, state: TrainState) -> int | None:
