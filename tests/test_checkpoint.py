@@ -720,6 +720,7 @@ def test_retention_keeps_the_checkpoint_it_just_wrote(tmp_path: Path, events: Ev
     # Step 6 is known corrupt: saving it again replaces it instead of skipping it.
     r.train(1, seed=6)
     mgr.save(r.state(), step=6)
+    mgr.wait()  # a blocking save's retention runs beside the loop
     assert load_digest(root, 6) == r.digest()
     assert committed_steps(root) == [6]
     assert events("ckpt.save.skipped") == []
@@ -744,6 +745,7 @@ def test_a_deletion_cut_short_leaves_no_committed_checkpoint_with_files_missing(
     monkeypatch.setattr(mgr.storage, "remove_tree", failing)
     t.train(1, seed=2)
     mgr.save(t.state(), step=2)
+    mgr.wait()
     assert (root / step_dir(1)).is_dir() and not (root / step_dir(1) / "manifest.json").exists()
     assert any((root / step_dir(1)).iterdir())  # its data files are still there
     assert committed_steps(root) == [2]
@@ -753,9 +755,50 @@ def test_a_deletion_cut_short_leaves_no_committed_checkpoint_with_files_missing(
     monkeypatch.setattr(mgr.storage, "remove_tree", real)
     t.train(1, seed=3)
     mgr.save(t.state(), step=3)
+    mgr.wait()
     assert not (root / step_dir(1)).exists() and committed_steps(root) == [3]
     mgr.close()
     assert load_digest(root, 3) == t.digest()
+
+
+def test_a_blocking_save_returns_at_its_commit_and_deletes_old_checkpoints_beside_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention after a blocking save runs on the manager's thread (at 4 GiB, deleting the
+    old checkpoint took 0.7 s of the save here); the next save, a load and close() wait for
+    it, so it never overlaps another save's writes."""
+    import threading
+
+    root = tmp_path / "ckpt"
+    t = Trainee(0)
+    mgr = manager(root, keep_last=1)
+    t.train(1, seed=1)
+    mgr.save(t.state(), step=1)
+    real = mgr.storage.remove_tree
+    entered, release = threading.Event(), threading.Event()
+    deleting: list[str] = []
+
+    def slow(rel: str) -> None:
+        deleting.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(30)
+        real(rel)
+
+    monkeypatch.setattr(mgr.storage, "remove_tree", slow)
+    t.train(1, seed=2)
+    mgr.save(t.state(), step=2, blocking=True)  # returns while step 1 is being deleted
+    assert entered.wait(30) and not release.is_set()
+    assert committed_steps(root) == [2]  # step 1's manifest went first
+    assert deleting[0].startswith("resilient-ckpt")
+    waiter = threading.Thread(target=mgr.wait)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # wait() (and so the next save, a load, close) waits for it
+    release.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and not (root / step_dir(1)).exists()
+    mgr.close()
+    assert load_digest(root, 2) == t.digest()
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -435,6 +435,7 @@ def test_foreign_objects_are_ignored_and_never_deleted(s3: S3Env, events: Any) -
     for step in range(1, 5):
         t.train(1)
         mgr.save(t.state(), step)
+    mgr.wait()  # a blocking save's retention runs beside the loop
     assert [i.step for i in mgr.list()] == [3, 4]
     assert [e["step"] for e in events("ckpt.retention.delete")] == [1, 2]
     assert set(foreign) <= set(s3.objects())
@@ -457,6 +458,7 @@ def test_a_save_without_manifest_is_never_loaded_and_later_cleaned(s3: S3Env, ev
     assert s3_manager(s3.url()).load_latest(u.state()) == 1 and u.digest() == one
     t.train(2)
     mgr.save(t.state(), 3)
+    mgr.wait()
     assert [(i.step, i.committed) for i in mgr.list()] == [(1, True), (3, True)]
     (deleted,) = events("ckpt.retention.delete")
     assert deleted["step"] == 2 and "unfinished" in deleted["reason"]

@@ -81,6 +81,7 @@ class CheckpointManager:
         self._stager: DefaultStager | None = None
         self._staged: Future[Any] | None = None
         self._pending: Future[int | None] | None = None
+        self._retention: Future[None] | None = None
         self._log = get_logger()
         self.last_committed: int | None = None
         # Steps that failed verification in load_latest: a later save of the same step
@@ -144,6 +145,10 @@ class CheckpointManager:
         must call `wait_staged()` before mutating parameters or optimizer state (the runtime
         does this from an optimizer pre-step hook). A previous save in flight is waited for
         first. Raises CheckpointError if a previous async save failed.
+
+        A blocking save returns at its commit: the deletion of checkpoints beyond keep_last
+        runs on the manager's thread, and `wait()`, the next save, a load and `close()` wait
+        for it.
         """
         self.wait()
         blocking = not self.config.async_save if blocking is None else blocking
@@ -151,7 +156,7 @@ class CheckpointManager:
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
         if blocking:
             sd = state.to_state_dict(step=step, rank=self.rank)
-            self._write_and_commit(sd, step, t0, staged_at=t0)
+            self._write_and_commit(sd, step, t0, staged_at=t0, on_loop=True)
             return
         # The blobs (step, scheduler, RNG, data position) are captured here and torch.save'd
         # on the save's thread: only the tensors go through the stager.
@@ -191,7 +196,7 @@ class CheckpointManager:
             state_dict_s=round(built, 4),
             staging_s=round(staged_at - t0, 4),
         )
-        return self._write_and_commit(sd, step, t0, staged_at=staged_at)
+        return self._write_and_commit(sd, step, t0, staged_at=staged_at, on_loop=False)
 
     def wait_staged(self) -> None:
         """Block until the in-flight async save no longer reads live tensors."""
@@ -201,19 +206,23 @@ class CheckpointManager:
             self._staged = None
 
     def wait(self) -> int | None:
-        """Wait for the in-flight save; return its committed step. Raises its error, if any."""
+        """Wait for the in-flight save and its retention; return its committed step. Raises
+        the save's error, if any."""
         pending, self._pending = self._pending, None
         self.wait_staged()
-        if pending is None:
-            return None
-        return pending.result()
+        try:
+            return None if pending is None else pending.result()
+        finally:
+            retention, self._retention = self._retention, None
+            if retention is not None:
+                retention.result()  # never raises: _retain_logged logs instead
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None and not self._pending.done()
 
     def _write_and_commit(
-        self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float
+        self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float, on_loop: bool
     ) -> int | None:
         rel = step_dir(step)
         try:
@@ -265,12 +274,10 @@ class CheckpointManager:
             commit_s=round(done - written, 4),
         )
         if self.rank == 0:
-            try:
-                self._retain(step)
-            except OSError as e:  # the checkpoint is committed; old ones stay until next time
-                self._log.warning(
-                    "ckpt.retention.failed", step=step, error=self.storage.redact(str(e))
-                )
+            if on_loop:  # a blocking save returns at its commit; deleting can wait
+                self._retention = self._get_executor().submit(self._retain_logged, step)
+            else:
+                self._retain_logged(step)
         return step
 
     def _prepare_dir(self, rel: str) -> str:
@@ -313,6 +320,16 @@ class CheckpointManager:
         )
         self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
         return manifest
+
+    def _retain_logged(self, just_committed: int) -> None:
+        """_retain; a failure is logged, never raised: the checkpoint is committed, and what
+        was not deleted is deleted next time."""
+        try:
+            self._retain(just_committed)
+        except OSError as e:
+            self._log.warning(
+                "ckpt.retention.failed", step=just_committed, error=self.storage.redact(str(e))
+            )
 
     def _retain(self, just_committed: int) -> None:
         """Delete committed checkpoints beyond keep_last and torn saves older than the newest.
