@@ -183,6 +183,9 @@ def test_kill_tree_reaches_a_child_in_its_own_session(tmp_path: Path):
         while not descendants(run.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         (grandchild,) = descendants(run.proc.pid)
+        # Between its fork and its setsid() the grandchild is still in the parent's group.
+        while os.getsid(grandchild) != grandchild and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert os.getpgid(grandchild) != os.getpgid(run.proc.pid)
         run.kill()
     assert not alive(run.proc.pid)
