@@ -726,6 +726,14 @@ def test_retention_keeps_the_checkpoint_it_just_wrote(tmp_path: Path, events: Ev
     assert events("ckpt.save.skipped") == []
 
 
+def _one_checkpoint_with_keep_last_1(root: Path) -> tuple[Trainee, CheckpointManager]:
+    t = Trainee(0)
+    mgr = manager(root, keep_last=1)
+    t.train(1, seed=1)
+    mgr.save(t.state(), step=1)
+    return t, mgr
+
+
 def test_a_deletion_cut_short_leaves_no_committed_checkpoint_with_files_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: Events
 ) -> None:
@@ -733,10 +741,7 @@ def test_a_deletion_cut_short_leaves_no_committed_checkpoint_with_files_missing(
     deletion fails (or the process dies there), what remains is an unfinished save that
     loads skip and the next retention removes, not a committed checkpoint that is torn."""
     root = tmp_path / "ckpt"
-    t = Trainee(0)
-    mgr = manager(root, keep_last=1)
-    t.train(1, seed=1)
-    mgr.save(t.state(), step=1)
+    t, mgr = _one_checkpoint_with_keep_last_1(root)
     real = mgr.storage.remove_tree
 
     def failing(rel: str) -> None:
@@ -770,10 +775,7 @@ def test_a_blocking_save_returns_at_its_commit_and_deletes_old_checkpoints_besid
     import threading
 
     root = tmp_path / "ckpt"
-    t = Trainee(0)
-    mgr = manager(root, keep_last=1)
-    t.train(1, seed=1)
-    mgr.save(t.state(), step=1)
+    t, mgr = _one_checkpoint_with_keep_last_1(root)
     real = mgr.storage.remove_tree
     entered, release = threading.Event(), threading.Event()
     deleting: list[str] = []
