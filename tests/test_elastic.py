@@ -226,6 +226,76 @@ def test_world_shrinks_and_grows_between_runs(tmp_path: Path, launcher: Launcher
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_node_still_leaving_when_the_rendezvous_host_has_gone_exits_preempted(
+    tmp_path: Path,
+) -> None:
+    """At the end of a coordinated stop the node hosting the rendezvous store may commit and
+    exit first, and take the store with it while another node's workers are still leaving.
+    That node's agent then meets a lost store: it must exit PREEMPTED, as its workers did,
+    not 'rendezvous failed' (a CI run met this race: exit 1). Host B's worker sleeps 8 s at
+    its exit, so host A's agent is always gone first."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    procs: list[subprocess.Popen[bytes]] = []
+    rec, ckpt = tmp_path / "rec", tmp_path / "ckpt"
+
+    def log(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    with Hosts() as hosts:
+        try:
+            for i in (1, 0):
+                name = "AB"[i]
+                cmd = [
+                    *hosts.exec_prefix(i),
+                    *run_cmd(
+                        "--nnodes=2",
+                        "--nproc-per-node=1",
+                        "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint={hosts.addr[0]}:29400",
+                        "--rdzv-id=leaving",
+                        f"--rdzv-conf=is_host={int(i == 0)},join_timeout=60",
+                        f"--local-addr={hosts.addr[i]}",
+                        f"--run-dir={tmp_path / ('run' + name)}",
+                        f"--checkpoint-url={ckpt}",
+                        str(SUPERVISED_WORKER),
+                        f"--record={rec}",
+                        "--steps=400",
+                        "--save-every=4",
+                        "--sleep=0.2",
+                        "--linger=1:8",
+                    ),
+                ]  # fmt: skip
+                with (tmp_path / f"{name}.log").open("wb") as out:
+                    procs.append(spawn(cmd, stdout=out, stderr=subprocess.STDOUT))
+            b, a = procs
+            wait_for(
+                lambda: len([r for r in records(rec) if r["rank"] == 0]) >= 3,
+                timeout=120,
+                what="three steps on two hosts",
+            )
+            a.send_signal(signal.SIGTERM)
+            assert a.wait(timeout=60) == ExitCode.PREEMPTED, log("A")
+            assert b.poll() is None  # its worker is still leaving (--linger)
+            assert b.wait(timeout=60) == ExitCode.PREEMPTED, log("B")
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=10)
+            for p in procs:
+                kill_tree(p.pid, groups=(p.pid,))
+    (gone,) = run_events(tmp_path / "runB", "preempt.rendezvous_gone")
+    assert gone["local_ranks"] == [0]
+    stops = run_events(tmp_path / "runB", "preempt.exit")
+    assert stops and stops[-1]["committed"] == stops[-1]["step"]  # B's rank left committed
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
     """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2, until SIGTERM to A.

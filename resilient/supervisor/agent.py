@@ -41,8 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psutil
+from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from resilient import events as ev
 from resilient.envvars import (
@@ -166,6 +168,9 @@ class SupervisedAgent(ElasticAgentBase):
         self._roots: dict[int, int] = {}  # local rank -> exit code, as first seen
         self._handled = False
         self.stop_code: int | None = None
+        self.preempted_without_rendezvous = False
+        """The rendezvous store was lost, but every local worker had left with PREEMPTED: a
+        coordinated stop whose rendezvous host finished first (see `shutdown`)."""
         self.attempt_id = ""
 
     @property
@@ -617,7 +622,26 @@ class SupervisedAgent(ElasticAgentBase):
                 with contextlib.suppress(ValueError, OSError):
                     signal.signal(sig, signal.SIG_IGN)
             self._hooks.on_event("preempt.forward", signal=death_sig.name, grace_s=timeout)
+        elif isinstance(sys.exc_info()[1], (RendezvousError, DistError)):
+            self._after_rendezvous_lost()
         super().shutdown(death_sig, timeout)
+
+    def _after_rendezvous_lost(self) -> None:
+        """The rendezvous store went away under a running group. At the end of a coordinated
+        stop this is a race, not a failure: the node hosting the store committed, exited and
+        took the store with it while this node's workers were still leaving. They get the
+        grace period to leave on their own (peers on a lost node make training workers fail
+        within seconds); if every one left with PREEMPTED, so does this node."""
+        pids = self.worker_pids() or {}
+        deadline = time.monotonic() + self._grace_s
+        codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+        while None in codes.values() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+        if codes and all(c == ExitCode.PREEMPTED for c in codes.values()):
+            self.preempted_without_rendezvous = True
+            self.stop_code = int(ExitCode.PREEMPTED)
+            self._hooks.on_event("preempt.rendezvous_gone", local_ranks=sorted(codes))
 
 
 def _is_stopped(pid: int) -> bool:

@@ -18,7 +18,7 @@ from types import FrameType
 from typing import Any
 
 from torch.distributed import DistError
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -97,6 +97,11 @@ def _launch(
     except SignalException:
         shutdown_rdzv = False  # as torch: a signalled agent leaves the rendezvous open
         raise
+    except (RendezvousError, DistError):
+        if not agent.preempted_without_rendezvous:
+            raise
+        shutdown_rdzv = False  # its store is gone with the node that hosted it
+        return RunResult(state=WorkerState.FAILED), agent.stop_code
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()

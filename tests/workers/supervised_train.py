@@ -11,6 +11,7 @@ attempt, or only in the first with --crash-once).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import time
@@ -54,6 +55,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--watchdog", default=None, help="JSON overrides of the watchdog config")
     p.add_argument("--preempt", default=None, help="JSON overrides of the preempt config")
+    p.add_argument(
+        "--linger", default=None, help="RANK:SECONDS: that rank sleeps at its exit, whatever it is"
+    )
     args = p.parse_args()
 
     options: dict = {"save_every_steps": args.save_every, "async_save": not args.sync}
@@ -62,6 +66,8 @@ def main() -> None:
     if args.preempt:
         options["preempt"] = json.loads(args.preempt)
     rt = resilient.init(**options)
+    if args.linger and int(args.linger.split(":")[0]) == rt.rank:
+        atexit.register(time.sleep, float(args.linger.split(":")[1]))
     dataset, tok = build_dataset(block_size=16, num_chars=40_000, seed=0)
     torch.manual_seed(0)
     model: nn.Module = Tiny(tok.vocab_size)
