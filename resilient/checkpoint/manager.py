@@ -326,7 +326,7 @@ class CheckpointManager:
         was not deleted is deleted next time."""
         try:
             self._retain(just_committed)
-        except OSError as e:
+        except Exception as e:  # storage errors, and an unreadable listing alike
             self._log.warning(
                 "ckpt.retention.failed", step=just_committed, error=self.storage.redact(str(e))
             )
