@@ -225,6 +225,21 @@ def test_world_shrinks_and_grows_between_runs(tmp_path: Path, launcher: Launcher
 # ---------------------------------------------------------------------- two hosts
 
 
+def _stop_all(procs: list[subprocess.Popen[bytes]], hosts: Hosts | None = None) -> None:
+    """Kill the agents (and, with `hosts`, every process of both hosts), reap, and kill
+    whatever of their trees is left."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.kill()
+    if hosts is not None:
+        hosts.down()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    for p in procs:
+        kill_tree(p.pid, groups=(p.pid,))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_node_still_leaving_when_the_rendezvous_host_has_gone_exits_preempted(
@@ -281,14 +296,7 @@ def test_a_node_still_leaving_when_the_rendezvous_host_has_gone_exits_preempted(
             assert b.poll() is None  # its worker is still leaving (--linger)
             assert b.wait(timeout=60) == ExitCode.PREEMPTED, log("B")
         finally:
-            for p in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    p.kill()
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=10)
-            for p in procs:
-                kill_tree(p.pid, groups=(p.pid,))
+            _stop_all(procs)
     (gone,) = run_events(tmp_path / "runB", "preempt.rendezvous_gone")
     assert gone["local_ranks"] == [0]
     stops = run_events(tmp_path / "runB", "preempt.exit")
@@ -396,15 +404,7 @@ def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_pa
         assert a.wait(timeout=120) == ExitCode.PREEMPTED, (tmp_path / "A.log").read_text()[-4000:]
         assert b2.wait(timeout=60) == ExitCode.PREEMPTED, (tmp_path / "B2.log").read_text()[-4000:]
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.kill()
-        hosts.down()
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-        for p in procs:
-            kill_tree(p.pid, groups=(p.pid,))
+        _stop_all(procs, hosts)
     steps = committed()  # the stop's checkpoint: every step before it ran, none after
     assert steps == max(r["step"] for r in records(rec)) + 1
     shape = _check_samples(rec, steps, global_batch=8)
