@@ -30,6 +30,15 @@ def drop_caches() -> bool:
     return True
 
 
+def fresh_page_cache(rank: int) -> bool:
+    """drop_caches on rank 0 between two barriers (a collective): every rank's next read
+    comes from the disk. Whether it could."""
+    dist.barrier()
+    dropped = drop_caches() if rank == 0 else True
+    dist.barrier()
+    return dropped
+
+
 def fsdp_adamw_state(layers: int) -> TrainState:
     """`layers` x Linear(2048, 2048), each and the root under FSDP2, with AdamW state after
     one step: about 48 MiB a layer (85 layers: about 4 GiB, 21: about 1 GiB). Call inside

@@ -14,8 +14,7 @@ import argparse
 import cProfile
 import time
 
-import torch.distributed as dist
-from _profile_state import drop_caches, finish, print_profile, start
+from _profile_state import finish, fresh_page_cache, print_profile, start
 
 
 def main() -> None:
@@ -27,10 +26,7 @@ def main() -> None:
     ctx, state, root, mgr = start(args.layers, args.out)
     dropped = True
     for rep in range(args.reps):
-        dist.barrier()
-        if ctx.rank == 0:
-            dropped = drop_caches()
-        dist.barrier()
+        dropped &= fresh_page_cache(ctx.rank)
         prof = cProfile.Profile() if rep == args.reps - 1 else None
         t0 = time.perf_counter()
         if prof is not None:

@@ -22,16 +22,9 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from _profile_state import drop_caches, finish, print_profile, start
+from _profile_state import finish, fresh_page_cache, print_profile, start
 
 _CHUNK = 8 << 20
-
-
-def _fresh_page_cache(rank: int) -> bool:
-    dist.barrier()
-    dropped = drop_caches() if rank == 0 else True
-    dist.barrier()
-    return dropped
 
 
 def _write2(path: Path, nbytes: int) -> None:
@@ -56,14 +49,14 @@ def main() -> None:
     mine = sum(p.stat().st_size for p in (root / "step_000000001").glob(f"__{ctx.rank}_*.distcp"))
     dropped = True
     for rep in range(args.reps):
-        dropped &= _fresh_page_cache(ctx.rank)
+        dropped &= fresh_page_cache(ctx.rank)
         baseline = root / f"write2-{ctx.rank}.bin"
         t0 = time.perf_counter()
         _write2(baseline, mine)
         dist.barrier()
         disk = time.perf_counter() - t0
         baseline.unlink()
-        dropped &= _fresh_page_cache(ctx.rank)
+        dropped &= fresh_page_cache(ctx.rank)
         prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
         t0 = time.perf_counter()
         if prof is not None:

@@ -203,8 +203,7 @@ def test_the_tensor_pickle_reader_agrees_with_torch_load_or_refuses() -> None:
 
     def read(record: Any) -> Any:
         with zipfile.ZipFile(io.BytesIO(bytes(record))) as archive:
-            (entry,) = [e for e in archive.infolist() if e.filename.endswith("/data.pkl")]
-        return tc._TensorPickle(io.BytesIO(tc._stored(memoryview(record), entry))).layout()
+            return tc._pickled_layout(memoryview(record), archive.infolist())
 
     base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
     cases = [base.to(dtype) for dtype in tc._STORAGE_DTYPES.values()]

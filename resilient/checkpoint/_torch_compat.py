@@ -287,10 +287,8 @@ def _layout(record: memoryview, entries: list[zipfile.ZipInfo]) -> _Layout | Non
     """The tensor's layout from the archive's pickle: `_TensorPickle` when it knows the
     pickle, torch.load's meta tensor otherwise; None for anything but one strided tensor."""
     if FAST_HEADER_UNAVAILABLE is None:
-        pickles = [e for e in entries if e.filename.endswith("/data.pkl")]
-        if len(pickles) == 1:
-            with contextlib.suppress(Exception):  # not one we know: torch.load decides
-                return _TensorPickle(io.BytesIO(_stored(record, pickles[0]))).layout()
+        with contextlib.suppress(Exception):  # not one we know: torch.load decides
+            return _pickled_layout(record, entries)
     meta = torch.load(cast(IO[bytes], MemoryReader(record)), map_location="meta", weights_only=True)
     if type(meta) is not torch.Tensor or meta.layout != torch.strided:
         return None
@@ -301,6 +299,13 @@ def _layout(record: memoryview, entries: list[zipfile.ZipInfo]) -> _Layout | Non
         int(meta.storage_offset()),
         meta.untyped_storage().nbytes() // meta.element_size(),
     )
+
+
+def _pickled_layout(record: memoryview, entries: list[zipfile.ZipInfo]) -> _Layout:
+    """The layout `_TensorPickle` reads from the archive's one data.pkl; raises when there is
+    not exactly one, or it is not a pickle of one plain tensor."""
+    (pickled,) = [e for e in entries if e.filename.endswith("/data.pkl")]
+    return _TensorPickle(io.BytesIO(_stored(record, pickled))).layout()
 
 
 def _storage_dtypes() -> dict[str, torch.dtype]:
@@ -408,8 +413,7 @@ def _check_fast_header() -> str | None:
         record = stream.getbuffer()
         try:
             with zipfile.ZipFile(MemoryReader(record)) as archive:
-                (pickled,) = [e for e in archive.infolist() if e.filename.endswith("/data.pkl")]
-            got = _TensorPickle(io.BytesIO(_stored(record, pickled))).layout()
+                got = _pickled_layout(record, archive.infolist())
         except Exception as e:
             return f"torch {torch.__version__}: torch.save's tensor pickle is not read ({e})"
         want = (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())

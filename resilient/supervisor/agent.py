@@ -125,6 +125,17 @@ def peek_exit(pid: int) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+def wait_exits(pids: dict[int, int], wait_s: float, poll_s: float) -> dict[int, int | None]:
+    """peek_exit of every local rank -> pid, polled every `poll_s` until all have exited or
+    `wait_s` has passed; None for those still running."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+        if None not in codes.values() or time.monotonic() >= deadline:
+            return codes
+        time.sleep(poll_s)
+
+
 class SupervisedAgent(ElasticAgentBase):
     """LocalElasticAgent whose restarts, kills and stops follow `hooks` (see module doc)."""
 
@@ -168,9 +179,6 @@ class SupervisedAgent(ElasticAgentBase):
         self._roots: dict[int, int] = {}  # local rank -> exit code, as first seen
         self._handled = False
         self.stop_code: int | None = None
-        self.preempted_without_rendezvous = False
-        """The rendezvous store was lost, but every local worker had left with PREEMPTED: a
-        coordinated stop whose rendezvous host finished first (see `shutdown`)."""
         self.attempt_id = ""
 
     @property
@@ -514,10 +522,8 @@ class SupervisedAgent(ElasticAgentBase):
             # no scheduler deadline here (the launcher got no signal): at least a few seconds
             wait_s = max(self._grace_s, 5.0)
             self._hooks.on_event("preempt.wait_ranks", local_ranks=alive, wait_s=wait_s)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and any(peek_exit(pids[lr]) is None for lr in alive):
-                time.sleep(0.05)
-            alive = [lr for lr in alive if peek_exit(pids[lr]) is None]
+            codes = wait_exits({lr: pids[lr] for lr in alive}, wait_s, 0.05)
+            alive = [lr for lr, c in codes.items() if c is None]
             if not alive:
                 return
         self._hooks.on_event(
@@ -528,9 +534,7 @@ class SupervisedAgent(ElasticAgentBase):
         for lr in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pids[lr], signal.SIGKILL)  # each worker leads its own session
-        deadline = time.monotonic() + 2.0  # gone before the process context polls them
-        while time.monotonic() < deadline and any(peek_exit(pids[lr]) is None for lr in alive):
-            time.sleep(0.01)
+        wait_exits({lr: pids[lr] for lr in alive}, 2.0, 0.01)  # gone before torch polls them
 
     def _say_cold(self, worker_group: WorkerGroup, result: RunResult) -> None:
         """A worker died between this agent's look and torch elastic's own poll, which has
@@ -632,14 +636,8 @@ class SupervisedAgent(ElasticAgentBase):
         took the store with it while this node's workers were still leaving. They get the
         grace period to leave on their own (peers on a lost node make training workers fail
         within seconds); if every one left with PREEMPTED, so does this node."""
-        pids = self.worker_pids() or {}
-        deadline = time.monotonic() + self._grace_s
-        codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
-        while None in codes.values() and time.monotonic() < deadline:
-            time.sleep(0.05)
-            codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+        codes = wait_exits(self.worker_pids() or {}, self._grace_s, 0.05)
         if codes and all(c == ExitCode.PREEMPTED for c in codes.values()):
-            self.preempted_without_rendezvous = True
             self.stop_code = int(ExitCode.PREEMPTED)
             self._hooks.on_event("preempt.rendezvous_gone", local_ranks=sorted(codes))
 

@@ -98,7 +98,7 @@ def _launch(
         shutdown_rdzv = False  # as torch: a signalled agent leaves the rendezvous open
         raise
     except (RendezvousError, DistError):
-        if not agent.preempted_without_rendezvous:
+        if agent.stop_code != ExitCode.PREEMPTED:  # not a stop whose store host left first
             raise
         shutdown_rdzv = False  # its store is gone with the node that hosted it
         return RunResult(state=WorkerState.FAILED), agent.stop_code

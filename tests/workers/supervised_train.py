@@ -66,8 +66,10 @@ def main() -> None:
     if args.preempt:
         options["preempt"] = json.loads(args.preempt)
     rt = resilient.init(**options)
-    if args.linger and int(args.linger.split(":")[0]) == rt.rank:
-        atexit.register(time.sleep, float(args.linger.split(":")[1]))
+    if args.linger:
+        rank, seconds = args.linger.split(":")
+        if int(rank) == rt.rank:
+            atexit.register(time.sleep, float(seconds))
     dataset, tok = build_dataset(block_size=16, num_chars=40_000, seed=0)
     torch.manual_seed(0)
     model: nn.Module = Tiny(tok.vocab_size)
