@@ -231,7 +231,12 @@ class CheckpointManager:
                 if self.collectives.agree(lambda: self._prepare_dir(rel)) == "exists":
                     self._log.info("ckpt.save.skipped", step=step, reason="already committed")
                     return step
-                writer = make_writer(self.storage, rel, thread_count=self.config.write_threads)
+                writer = make_writer(
+                    self.storage,
+                    rel,
+                    thread_count=self.config.write_threads,
+                    drop_behind=not self.config.keep_in_page_cache,
+                )
                 dcp.save(
                     sd,
                     storage_writer=writer,
