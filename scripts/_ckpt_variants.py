@@ -322,8 +322,10 @@ class Bench:
             sd = self.state.load_template(rank=self.rank, has_rank_blob=True)
             dcp.load(sd, checkpoint_id=str(d), process_group=self.ctx.checkpoint_group)
 
-    def v_write2(self) -> dict[str, Any]:
-        """Each rank writes its half of the payload (random bytes) in 8 MiB writes, fsyncs."""
+    def v_write2(self, *, drop_behind: bool = False) -> dict[str, Any]:
+        """Each rank writes its half of the payload (random bytes) in 8 MiB writes, fsyncs;
+        with `drop_behind`, the page cache told to drop the pages behind the writes every
+        64 MiB, as our writer does (resilient/checkpoint/_dcp_write.py)."""
         out = self.work / "write2"
         out.mkdir(parents=True, exist_ok=True)
         share = self.payload // self.world + (self.payload % self.world if self.rank == 0 else 0)
@@ -331,14 +333,22 @@ class Bench:
 
         def run() -> None:
             with open(out / f"w{self.rank}.bin", "wb", buffering=0) as f:
-                left = share
+                left, previous, newest = share, 0, 0
                 while left > 0:
                     left -= f.write(block[: min(left, len(block))])
+                    at = share - left
+                    if drop_behind and at - newest >= 64 * MIB:
+                        dontneed = os.POSIX_FADV_DONTNEED
+                        os.posix_fadvise(f.fileno(), previous, at - previous, dontneed)
+                        previous, newest = newest, at
                 os.fsync(f.fileno())
 
         r = self.timed(run)
         self.clear(out)
         return {**r, "bytes": self.payload}
+
+    def v_write2_drop(self) -> dict[str, Any]:
+        return self.v_write2(drop_behind=True)
 
     def v_reshard(self) -> dict[str, Any]:
         """Save on 2 ranks and on 1 (a plain copy on rank 0); load 2->1, 1->1, 1->2, 2->2;
@@ -558,7 +568,8 @@ class Bench:
     def run(self, variants: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         # async first in repetition 0: its first save is the run's first save, cold.
         if variants is None:
-            variants = ["async", "sync", "dcp", "torch_save", "dd1", "dd2", "steps", "reshard"]
+            variants = ["async", "sync", "dcp", "torch_save", "dd1", "dd2", "write2_drop"]
+            variants += ["steps", "reshard"]
             if self.args.breakdown:
                 variants += BREAKDOWN
             if self.args.live:

@@ -17,6 +17,9 @@ order, with every output deleted before the next variant:
 - write2: the disk's own rate, the baseline of every save ratio: each rank writes its half
   of the bytes (random, from memory) in 8 MiB write() calls and fsyncs, as DCP's writer
   does, with nothing else; run at the start and at the end of every repetition;
+- write2_drop: the same, the page cache told to drop the pages behind the writes every
+  64 MiB as our writer does: the baseline of the same technique (on our VM fresh
+  page-cache pages are dear, and write2's time depends on what the run freed before it);
 - dd1 / dd2: `dd if=/dev/zero bs=8M conv=fdatasync` of the same byte count, from rank 0
   alone (dd1) or half from each rank at once (dd2), for reference;
 - after each sync save, its loads, each from a dropped page cache: read2 (each rank reads the

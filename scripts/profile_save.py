@@ -6,10 +6,11 @@ Builds FSDP2 + AdamW state of `--layers` x Linear(2048, 2048) on 2 ranks (85 lay
 4 GiB, 21: about 1 GiB) and saves it `--reps` + 1 times to DIR with keep_last=1, as a run
 with a full retention window does: from the second save on, each save's retention deletes
 the previous checkpoint. Before each timed save every rank writes the bytes of its own files
-with 8 MiB `write()`s and `fsync`s them (`write2` of bench_checkpoint.py), the page cache
+with 8 MiB `write()`s and `fsync`s them (`write2` of bench_checkpoint.py), then the same
+dropping its pages behind it as the checkpoint writer does (`write2-drop`), the page cache
 dropped before each (root only; the script says whether it could). Prints each save's
-seconds (barrier to barrier; and when rank 0's `save()` returned), the baseline's and their
-ratio; with `--profile`, rank 0's cProfile of the last save (cumulative time, top 40).
+seconds (barrier to barrier; and when rank 0's `save()` returned), the baselines' and their
+ratios; with `--profile`, rank 0's cProfile of the last save (cumulative time, top 40).
 Retention, where it runs beside the loop, is waited for outside the timings.
 """
 
@@ -27,15 +28,33 @@ from _profile_state import finish, fresh_page_cache, print_profile, start
 _CHUNK = 8 << 20
 
 
-def _write2(path: Path, nbytes: int) -> None:
+def _write2(path: Path, nbytes: int, *, drop_behind: bool = False) -> None:
+    """`nbytes` in 8 MiB writes, then fsync; with `drop_behind`, the pages dropped behind the
+    writes every 64 MiB, as resilient/checkpoint/_dcp_write.py does."""
     chunk = memoryview(os.urandom(_CHUNK))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    previous = newest = 0
     try:
-        for _ in range(max(1, nbytes // _CHUNK)):
+        for i in range(max(1, nbytes // _CHUNK)):
             os.write(fd, chunk)
+            at = (i + 1) * _CHUNK
+            if drop_behind and at - newest >= 64 << 20:
+                os.posix_fadvise(fd, previous, at - previous, os.POSIX_FADV_DONTNEED)
+                previous, newest = newest, at
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _timed_write2(path: Path, nbytes: int, rank: int, *, drop_behind: bool) -> tuple[float, bool]:
+    """Seconds of `_write2` on every rank, barrier to barrier, from a dropped page cache."""
+    dropped = fresh_page_cache(rank)
+    t0 = time.perf_counter()
+    _write2(path, nbytes, drop_behind=drop_behind)
+    dist.barrier()
+    took = time.perf_counter() - t0
+    path.unlink()
+    return took, dropped
 
 
 def main() -> None:
@@ -49,14 +68,10 @@ def main() -> None:
     mine = sum(p.stat().st_size for p in (root / "step_000000001").glob(f"__{ctx.rank}_*.distcp"))
     dropped = True
     for rep in range(args.reps):
-        dropped &= fresh_page_cache(ctx.rank)
         baseline = root / f"write2-{ctx.rank}.bin"
-        t0 = time.perf_counter()
-        _write2(baseline, mine)
-        dist.barrier()
-        disk = time.perf_counter() - t0
-        baseline.unlink()
-        dropped &= fresh_page_cache(ctx.rank)
+        disk, ok = _timed_write2(baseline, mine, ctx.rank, drop_behind=False)
+        disk_drop, ok2 = _timed_write2(baseline, mine, ctx.rank, drop_behind=True)
+        dropped &= ok and ok2 and fresh_page_cache(ctx.rank)
         prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
         t0 = time.perf_counter()
         if prof is not None:
@@ -72,7 +87,8 @@ def main() -> None:
         if ctx.rank == 0:
             print(
                 f"save {took:.3f} s (rank 0's save() returned at {returned:.3f} s)  "
-                f"write2 {disk:.3f} s  write2 / save {disk / took:.2f}"
+                f"write2 {disk:.3f} s  write2-drop {disk_drop:.3f} s  "
+                f"write2 / save {disk / took:.2f}  write2-drop / save {disk_drop / took:.2f}"
             )
         if prof is not None and ctx.rank == 0:
             print_profile(prof, 40)
