@@ -831,7 +831,7 @@ def test_a_local_save_drops_its_pages_behind_it_unless_told_to_keep_them(
     tmp_path: Path,
 ) -> None:
     """A local save hands each 64 MiB to the disk as it goes and lets the page cache drop the
-    bytes before it (on our VM it wrote 4 GiB 29 % faster, with less CPU); the bytes are the
+    bytes before it (a 4 GiB blocking save 2.9 s instead of 4.1 on our VM); the bytes are the
     same and load bitwise. keep_in_page_cache=True leaves them all cached, as before."""
 
     def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -12,9 +12,10 @@ On a local disk the writer also drops a file's pages from the page cache behind 
 hands the newest bytes to the kernel's writeback at once, and frees the pages of the bytes
 before them, whose writeback has had a round to finish. A save then reuses a few hundred MiB
 of page cache instead of dirtying the whole checkpoint's worth until DCP's fsync at the end
-of the file. On our test VM, where fresh page-cache pages are dear, a 4 GiB save took 29 %
-less time (docs/benchmarks.md, issue 12's eighth pass). The cost: the files are not in the
-page cache after the save, so a restart on the same host reads them from the disk.
+of the file. On our test VM, where fresh page-cache pages are dear, a 4 GiB blocking save in
+a run of saves took 2.9 s instead of 4.1 (docs/benchmarks.md, issue 12's eighth pass). The
+cost: the files are not in the page cache after the save, so a restart on the same host
+reads them from the disk.
 
 It replaces `FileSystemWriter.fs`, an attribute rather than a documented hook.
 """
