@@ -30,6 +30,23 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def write_baseline(path: Path, nbytes: int, block: bytes, *, drop_behind: bool = False) -> None:
+    """`nbytes` to `path` in `block`-sized write() calls, then fsync: the disk's own rate
+    (write2). With `drop_behind`, the page cache is told to drop the pages behind the writes
+    every 64 MiB, as our writer does (resilient/checkpoint/_dcp_write.py, not imported: a
+    baseline must not run the code it measures)."""
+    view = memoryview(block)
+    with open(path, "wb", buffering=0) as f:
+        left, previous, newest = nbytes, 0, 0
+        while left > 0:
+            left -= f.write(view[: min(left, len(view))])
+            at = nbytes - left
+            if drop_behind and at - newest >= 64 * MIB:
+                os.posix_fadvise(f.fileno(), previous, at - previous, os.POSIX_FADV_DONTNEED)
+                previous, newest = newest, at
+        os.fsync(f.fileno())
+
+
 class Bench:
     """Everything one rank needs: groups, model, optimizer, the manager under test."""
 
@@ -323,27 +340,12 @@ class Bench:
             dcp.load(sd, checkpoint_id=str(d), process_group=self.ctx.checkpoint_group)
 
     def v_write2(self, *, drop_behind: bool = False) -> dict[str, Any]:
-        """Each rank writes its half of the payload (random bytes) in 8 MiB writes, fsyncs;
-        with `drop_behind`, the page cache told to drop the pages behind the writes every
-        64 MiB, as our writer does (resilient/checkpoint/_dcp_write.py)."""
+        """Each rank writes its half of the payload (random bytes) with `write_baseline`."""
         out = self.work / "write2"
         out.mkdir(parents=True, exist_ok=True)
         share = self.payload // self.world + (self.payload % self.world if self.rank == 0 else 0)
-        block = memoryview(self.block)
-
-        def run() -> None:
-            with open(out / f"w{self.rank}.bin", "wb", buffering=0) as f:
-                left, previous, newest = share, 0, 0
-                while left > 0:
-                    left -= f.write(block[: min(left, len(block))])
-                    at = share - left
-                    if drop_behind and at - newest >= 64 * MIB:
-                        dontneed = os.POSIX_FADV_DONTNEED
-                        os.posix_fadvise(f.fileno(), previous, at - previous, dontneed)
-                        previous, newest = newest, at
-                os.fsync(f.fileno())
-
-        r = self.timed(run)
+        path = out / f"w{self.rank}.bin"
+        r = self.timed(lambda: write_baseline(path, share, self.block, drop_behind=drop_behind))
         self.clear(out)
         return {**r, "bytes": self.payload}
 
