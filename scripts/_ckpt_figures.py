@@ -183,6 +183,24 @@ def report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "baseline_step_s": base,
         "step_during_save_s": median(during),
     }
+    summary["async_window_s"] = median([r["window"] for r in asy])
+    ab = res.get("async_ab")
+    if ab:
+        ab_stalls = [r["window"] - len(r["step_times"]) * base for r in ab]
+        ab_cpu = [r["cpu"] - len(r["step_times"]) * base_cpu for r in ab]
+        summary["ab_nice"] = args.nice_ab
+        summary["ab_blocked_over_sync_dcp"] = median([r["blocked"] for r in ab]) / med["dcp"]
+        summary["ab_effective_stall_over_sync"] = median(ab_stalls) / med["sync"]
+        summary["ab_extra_cpu_s"] = median(ab_cpu)
+        summary["ab_window_s"] = median([r["window"] for r in ab])
+        lines.append(
+            f"the same async save at save_thread_nice={args.nice_ab}: blocked median "
+            f"{median([r['blocked'] for r in ab]):.4f} s, save() until no rank has it in flight "
+            f"{summary['ab_window_s']:.3f} s ({median([len(r['step_times']) for r in ab]):.0f} "
+            f"steps), effective stall median {median(ab_stalls):.3f} s = "
+            f"{summary['ab_effective_stall_over_sync']:.3f} x sync (min {min(ab_stalls):.3f}, "
+            f"max {max(ab_stalls):.3f}); extra CPU {median(ab_cpu):.2f} s"
+        )
     live = res.get("async_live")
     if live:
         live_stalls = [r["window"] - len(r["step_times"]) * base for r in live]
@@ -221,6 +239,59 @@ def report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         lines.append(
             f"  resharded / same-topology load <= 1.5: 2->1 {rf['2to1']:.2f}, 1->2 {rf['1to2']:.2f}"
         )
+    print("\n".join(lines), flush=True)
+    print(json.dumps(_rounded(summary)), flush=True)
+    return summary
+
+
+def stall_report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """--stall: each async save's effective stall against the baseline steps of its own
+    repetition (the machine's pace drifts between minutes), over the sync save of the same
+    repetition; medians over repetitions. Prints a table and the JSON summary."""
+    sync = [r["seconds"] for r in res["sync"]]
+    arms = {"async": b.args.save_nice, "async_ab": b.args.nice_ab}
+    summary: dict[str, Any] = {"bytes": b.payload, "reps": b.args.reps, "arms": {}}
+    lines = [
+        f"effective stall of an async save, {b.payload / MIB:.1f} MiB, {b.args.reps} "
+        f"repetitions; " + header(b),
+        "stall = save() until no rank has it in flight - steps x the median step of the same "
+        "repetition's baseline; ratio = stall / the same repetition's sync save",
+        f"{'arm':<28}{'stall s':>9}{'ratio':>8}{'min..max ratio':>18}{'blocked ms':>12}"
+        f"{'window s':>10}{'extra CPU s':>13}",
+    ]
+    for name, nice in arms.items():
+        if name not in res:
+            continue
+        stalls, ratios, cpus = [], [], []
+        for r, steps, s_sync in zip(res[name], res["steps"], sync, strict=True):
+            base = median(steps["step_times"])
+            n = len(r["step_times"])
+            stalls.append(r["window"] - n * base)
+            ratios.append(stalls[-1] / s_sync)
+            cpus.append(r["cpu"] - n * steps["cpu_per_step"])
+        label = f"save_thread_nice={'default' if nice is None else nice}"
+        arm = {
+            "stall_s": median(stalls),
+            "stall_over_sync": median(ratios),
+            "blocked_s": median([r["blocked"] for r in res[name]]),
+            "window_s": median([r["window"] for r in res[name]]),
+            "extra_cpu_s": median(cpus),
+            "ratios": ratios,
+        }
+        summary["arms"][label] = arm
+        lines.append(
+            f"{label:<28}{arm['stall_s']:>9.3f}{arm['stall_over_sync']:>8.3f}"
+            f"{f'{min(ratios):.2f}..{max(ratios):.2f}':>18}{arm['blocked_s'] * 1e3:>12.1f}"
+            f"{arm['window_s']:>10.3f}{arm['extra_cpu_s']:>13.2f}"
+        )
+    summary["sync_s"] = median(sync)
+    summary["baseline_step_s"] = median([median(r["step_times"]) for r in res["steps"]])
+    summary["load_avg_start"] = b.load_start
+    summary["load_avg_end"] = os.getloadavg()[0]
+    lines.append(
+        f"sync save median {summary['sync_s']:.3f} s; baseline step median "
+        f"{summary['baseline_step_s'] * 1e3:.1f} ms"
+    )
     print("\n".join(lines), flush=True)
     print(json.dumps(_rounded(summary)), flush=True)
     return summary

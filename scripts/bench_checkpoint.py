@@ -82,6 +82,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tensors and the optimizer's fence holds the step until the write is done",
     )
     p.add_argument(
+        "--save-nice",
+        type=int,
+        default=None,
+        help="CheckpointConfig.save_thread_nice of the async save (default: the product's)",
+    )
+    p.add_argument(
+        "--nice-ab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also time the async save with save_thread_nice=N, interleaved with the other",
+    )
+    p.add_argument(
+        "--stall",
+        action="store_true",
+        help="time only the async save(s), the baseline steps and the sync save (no loads): "
+        "the effective stall, with many repetitions in little time",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="also time the parts of a sync save: DCP without fsync, DCP and our writer with "
@@ -142,7 +161,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- worker
-from _ckpt_figures import report, scale  # noqa: E402  (beside this script)
+from _ckpt_figures import report, scale, stall_report  # noqa: E402  (beside this script)
 from _ckpt_variants import Bench  # noqa: E402
 
 
@@ -156,6 +175,10 @@ def worker(args: argparse.Namespace, *, cleanup: bool) -> None:
         b.build(args.width, args.layers)
         res = b.run()
         b.close_managers()
+        if args.stall:
+            if b.rank == 0:
+                stall_report(b, res)
+            return
         if hasattr(b, "mgr2"):
             b.mgr2.close()
         if b.rank == 0:
