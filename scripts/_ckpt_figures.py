@@ -184,23 +184,6 @@ def report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "step_during_save_s": median(during),
     }
     summary["async_window_s"] = median([r["window"] for r in asy])
-    ab = res.get("async_ab")
-    if ab:
-        ab_stalls = [r["window"] - len(r["step_times"]) * base for r in ab]
-        ab_cpu = [r["cpu"] - len(r["step_times"]) * base_cpu for r in ab]
-        summary["ab_nice"] = args.nice_ab
-        summary["ab_blocked_over_sync_dcp"] = median([r["blocked"] for r in ab]) / med["dcp"]
-        summary["ab_effective_stall_over_sync"] = median(ab_stalls) / med["sync"]
-        summary["ab_extra_cpu_s"] = median(ab_cpu)
-        summary["ab_window_s"] = median([r["window"] for r in ab])
-        lines.append(
-            f"the same async save at save_thread_nice={args.nice_ab}: blocked median "
-            f"{median([r['blocked'] for r in ab]):.4f} s, save() until no rank has it in flight "
-            f"{summary['ab_window_s']:.3f} s ({median([len(r['step_times']) for r in ab]):.0f} "
-            f"steps), effective stall median {median(ab_stalls):.3f} s = "
-            f"{summary['ab_effective_stall_over_sync']:.3f} x sync (min {min(ab_stalls):.3f}, "
-            f"max {max(ab_stalls):.3f}); extra CPU {median(ab_cpu):.2f} s"
-        )
     live = res.get("async_live")
     if live:
         live_stalls = [r["window"] - len(r["step_times"]) * base for r in live]
@@ -247,51 +230,50 @@ def report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def stall_report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """--stall: each async save's effective stall against the baseline steps of its own
     repetition (the machine's pace drifts between minutes), over the sync save of the same
-    repetition; medians over repetitions. Prints a table and the JSON summary."""
-    sync = [r["seconds"] for r in res["sync"]]
-    arms = {"async": b.args.save_nice, "async_ab": b.args.nice_ab}
-    summary: dict[str, Any] = {"bytes": b.payload, "reps": b.args.reps, "arms": {}}
+    repetition; medians over repetitions. Prints the figures and the JSON summary."""
+    summary: dict[str, Any] = {
+        "sync_s": median([r["seconds"] for r in res["sync"]]),
+        "baseline_step_s": median([median(r["step_times"]) for r in res["steps"]]),
+        "bytes": b.payload,
+        "reps": b.args.reps,
+    }
     lines = [
         f"effective stall of an async save, {b.payload / MIB:.1f} MiB, {b.args.reps} "
         f"repetitions; " + header(b),
         "stall = save() until no rank has it in flight - steps x the median step of the same "
         "repetition's baseline; ratio = stall / the same repetition's sync save",
-        f"{'arm':<28}{'stall s':>9}{'ratio':>8}{'min..max ratio':>18}{'blocked ms':>12}"
-        f"{'window s':>10}{'extra CPU s':>13}",
     ]
-    for name, nice in arms.items():
-        if name not in res:
-            continue
+    labels = {"async": "the product's async save", "async_live": "prototype, no staging"}
+    for arm in (a for a in labels if a in res):
         stalls, ratios, cpus = [], [], []
-        for r, steps, s_sync in zip(res[name], res["steps"], sync, strict=True):
+        for r, steps, sync in zip(res[arm], res["steps"], res["sync"], strict=True):
             base = median(steps["step_times"])
             n = len(r["step_times"])
             stalls.append(r["window"] - n * base)
-            ratios.append(stalls[-1] / s_sync)
+            ratios.append(stalls[-1] / sync["seconds"])
             cpus.append(r["cpu"] - n * steps["cpu_per_step"])
-        label = f"save_thread_nice={'default' if nice is None else nice}"
-        arm = {
-            "stall_s": median(stalls),
-            "stall_over_sync": median(ratios),
-            "blocked_s": median([r["blocked"] for r in res[name]]),
-            "window_s": median([r["window"] for r in res[name]]),
-            "extra_cpu_s": median(cpus),
+        fig = {
+            "effective_stall_s": median(stalls),
+            "effective_stall_over_sync": median(ratios),
             "ratios": ratios,
+            "extra_cpu_s": median(cpus),
+            "blocked_s": median([r["blocked"] for r in res[arm]]),
+            "window_s": median([r["window"] for r in res[arm]]),
         }
-        summary["arms"][label] = arm
+        summary[arm] = fig
         lines.append(
-            f"{label:<28}{arm['stall_s']:>9.3f}{arm['stall_over_sync']:>8.3f}"
-            f"{f'{min(ratios):.2f}..{max(ratios):.2f}':>18}{arm['blocked_s'] * 1e3:>12.1f}"
-            f"{arm['window_s']:>10.3f}{arm['extra_cpu_s']:>13.2f}"
+            f"{labels[arm]}: effective stall median {fig['effective_stall_s']:.3f} s, / sync "
+            f"save median {fig['effective_stall_over_sync']:.3f} ({min(ratios):.2f}.."
+            f"{max(ratios):.2f}); extra CPU {fig['extra_cpu_s']:.2f} s (both ranks); blocked "
+            f"{fig['blocked_s'] * 1e3:.1f} ms; save() until no rank has it in flight "
+            f"{fig['window_s']:.3f} s"
         )
-    summary["sync_s"] = median(sync)
-    summary["baseline_step_s"] = median([median(r["step_times"]) for r in res["steps"]])
-    summary["load_avg_start"] = b.load_start
-    summary["load_avg_end"] = os.getloadavg()[0]
     lines.append(
         f"sync save median {summary['sync_s']:.3f} s; baseline step median "
         f"{summary['baseline_step_s'] * 1e3:.1f} ms"
     )
+    summary["load_avg_start"] = b.load_start
+    summary["load_avg_end"] = os.getloadavg()[0]
     print("\n".join(lines), flush=True)
     print(json.dumps(_rounded(summary)), flush=True)
     return summary

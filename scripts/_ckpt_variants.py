@@ -112,8 +112,7 @@ class Bench:
             return m
 
         group = self.ctx.checkpoint_group
-        nice = {} if self.args.save_nice is None else {"save_thread_nice": self.args.save_nice}
-        self.mgr = mgr(self.ours_root, group, async_save=True, **nice)
+        self.mgr = mgr(self.ours_root, group, async_save=True)
         self.mgr_2pass = mgr(self.ours_root, group, verify_buffer_mib=0)
         self.mgr_from1 = mgr(self.work / "solo", group)  # 1 -> 2
         self.mgr_solo = None  # rank 0 only, over self.solo: 2 -> 1, 1 -> 1, the 1-rank save
@@ -127,18 +126,10 @@ class Bench:
         # --live: a prototype measured beside the product (v_async_live), not in it
         self.live: Any = None
         self.mgr_live = mgr(self.work / "live", group) if self.args.live else None
-        # --nice-ab N: the product's async save again, its threads at another priority
-        self.mgr_ab = None
-        if self.args.nice_ab is not None:
-            self.mgr_ab = mgr(
-                self.work / "ab", group, async_save=True, save_thread_nice=self.args.nice_ab
-            )
 
         def fence(*_: Any) -> None:
             t0 = time.perf_counter()
             self.mgr.wait_staged()
-            if self.mgr_ab is not None:
-                self.mgr_ab.wait_staged()
             if self.live is not None:  # the prototype's fence holds until the write is done
                 self.live.result()
                 self.live = None
@@ -445,23 +436,17 @@ class Bench:
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.ctrl)
         return {**r, "blocked": float(t[0]), "in_save": float(t[1]), "fence": float(t[2])}
 
-    def v_async(self, mgr: Any = None, root: Path | None = None) -> dict[str, Any]:
+    def v_async(self) -> dict[str, Any]:
         """The product's async save: save(), then train until every rank's save committed."""
-        mgr = mgr or self.mgr
-        root = root or self.ours_root
         r, step = self._train_through_save(
-            lambda step, _t0: mgr.save(self.state, step), lambda: mgr.in_flight
+            lambda step, _t0: self.mgr.save(self.state, step), lambda: self.mgr.in_flight
         )
-        mgr.wait()  # raises if the save failed
+        self.mgr.wait()  # raises if the save failed
         r = self._slowest(r)
-        size = dir_bytes(root) if self.rank == 0 else 0
-        self.check(mgr, step)
-        self.clear(root)
+        size = dir_bytes(self.ours_root) if self.rank == 0 else 0
+        self.check(self.mgr, step)
+        self.clear(self.ours_root)
         return {**r, "bytes": size, "events": self.last_commit()}
-
-    def v_async_ab(self) -> dict[str, Any]:
-        """--nice-ab: v_async with the threads of the save at save_thread_nice=N."""
-        return self.v_async(self.mgr_ab, self.work / "ab")
 
     def v_async_live(self) -> dict[str, Any]:
         """Prototype for issue 12's effective stall, not the product: no staging copy. The
@@ -476,7 +461,9 @@ class Bench:
 
         def start(step: int, t0: float) -> None:
             sd = self.state.to_state_dict(step=step, rank=self.rank)
-            self.live = pool.submit(mgr._write_and_commit, sd, step, t0, staged_at=t0)
+            self.live = pool.submit(
+                mgr._write_and_commit, sd, step, t0, staged_at=t0, on_loop=False
+            )
 
         r, step = self._train_through_save(
             start, lambda: self.live is not None and not self.live.done()
@@ -591,10 +578,8 @@ class Bench:
                 variants += BREAKDOWN
             if self.args.live:
                 variants.insert(1, "async_live")
-            if self.args.nice_ab is not None:
-                variants.insert(1, "async_ab")
             if self.args.stall:  # the effective stall alone: more repetitions in the time
-                variants = [v for v in variants if v in ("async", "async_ab", "sync", "steps")]
+                variants = [v for v in variants if v in ("async", "async_live", "sync", "steps")]
         self.done_sync: list[int] = []
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in [*variants, "write2"]}
         for rep in range(self.args.reps):

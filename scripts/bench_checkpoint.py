@@ -82,19 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tensors and the optimizer's fence holds the step until the write is done",
     )
     p.add_argument(
-        "--save-nice",
-        type=int,
-        default=None,
-        help="CheckpointConfig.save_thread_nice of the async save (default: the product's)",
-    )
-    p.add_argument(
-        "--nice-ab",
-        type=int,
-        default=None,
-        metavar="N",
-        help="also time the async save with save_thread_nice=N, interleaved with the other",
-    )
-    p.add_argument(
         "--stall",
         action="store_true",
         help="time only the async save(s), the baseline steps and the sync save (no loads): "

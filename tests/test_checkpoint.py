@@ -9,8 +9,6 @@ import os
 import pickle
 import random
 import shutil
-import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -863,39 +861,6 @@ def test_a_local_save_drops_its_pages_behind_it_unless_told_to_keep_them(
     assert resident[False] < 0.75 and resident[True] > 0.95, resident
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
-def test_an_async_save_writes_below_the_loops_priority_and_the_loop_keeps_its_own(
-    tmp_path: Path,
-) -> None:
-    """The save's thread runs save_thread_nice steps below the loop, so training keeps the CPU
-    first; 0 leaves it at the loop's priority. The loop's thread never changes, blocking saves
-    included, and the checkpoints are the same either way."""
-
-    def priority(tid: int) -> int:
-        return os.getpriority(os.PRIO_PROCESS, tid)
-
-    loop = threading.get_native_id()
-    base = priority(loop)
-    t = Trainee(0)
-    want = t.digest()
-    seen: dict[int, int] = {}
-    for nice in (0, 7):
-        before = set(threading.enumerate())
-        mgr = manager(tmp_path / f"nice{nice}", async_save=True, save_thread_nice=nice)
-        mgr.save(t.state(), step=1)
-        assert mgr.wait() == 1
-        (saver,) = [
-            th for th in set(threading.enumerate()) - before if th.name.startswith("resilient-ckpt")
-        ]
-        assert saver.native_id is not None
-        seen[nice] = priority(saver.native_id)
-        mgr.save(t.state(), step=2, blocking=True)
-        mgr.close()
-        assert priority(loop) == base
-        assert load_digest(tmp_path / f"nice{nice}", 2) == want
-    assert seen == {0: base, 7: min(19, base + 7)}
-
-
 # ------------------------------------------------------------------------------ bad input
 def test_missing_location_is_a_fresh_start_then_created_on_save(
     tmp_path: Path, events: Events
@@ -987,7 +952,6 @@ def test_saving_a_committed_step_again_does_not_overwrite_it(
         (lambda d: CheckpointConfig(url=d, keep_last=0), r"keep_last must be >= 1"),
         (lambda d: CheckpointConfig(url=d, write_threads=0), r"write_threads must be in \[1, 64\]"),
         (lambda d: CheckpointConfig(url=d, write_threads=65), r"\[1, 64\], got 65"),
-        (lambda d: CheckpointConfig(url=d, save_thread_nice=20), r"save_thread_nice.*got 20"),
         (lambda d: RetryPolicy(max_attempts=0), r"max_attempts must be >= 1"),
         (lambda d: RetryPolicy(budget_s=0), r"budget_s must be > 0"),
         (lambda d: resilient.init(d, save_every_steps=0), r"save_every_steps must be >= 1"),
@@ -998,7 +962,6 @@ def test_saving_a_committed_step_again_does_not_overwrite_it(
         "keep_last",
         "write_threads",
         "write_threads_high",
-        "save_thread_nice",
         "max_attempts",
         "budget",
         "save_every",

@@ -44,13 +44,6 @@ class CheckpointConfig:
     same host reads them from memory. By default a save drops its pages behind it as they
     are written: less page cache per save, and on our test VM faster saves (docs/benchmarks.md),
     at the price of a restart reading the checkpoint from the disk."""
-    save_thread_nice: int = 10
-    """Linux: an async save writes on threads this many nice steps below the loop's priority
-    (capped at 19). Where training keeps every core busy, its threads get the CPU first and
-    the save runs in what they leave idle, so it slows the steps beside it less and commits a
-    little later (docs/benchmarks.md). 0: the loop's own priority. A blocking save, such as a
-    preemption's emergency save, runs on the loop's thread at the loop's priority. Ignored
-    where threads have no priority of their own (not Linux)."""
     on_save_error: str = "raise"
     """What a failed save does once logged (ckpt.save.failed): "raise" stops training (the
     error reaches the loop at the next save or wait), "continue" goes on training. Either way
@@ -68,11 +61,6 @@ class CheckpointConfig:
             raise ConfigError(
                 f"verify_buffer_mib must be >= 0 (0: always read twice), got "
                 f"{self.verify_buffer_mib}"
-            )
-        if not 0 <= self.save_thread_nice <= 19:
-            raise ConfigError(
-                f"save_thread_nice must be in [0, 19] (0: the loop's priority), got "
-                f"{self.save_thread_nice}"
             )
         if self.remote_every < 1:
             raise ConfigError(f"remote_every must be >= 1, got {self.remote_every}")

@@ -8,9 +8,6 @@ from a background thread while training runs its own (docs/internals.md#g-async-
 from __future__ import annotations
 
 import builtins
-import os
-import sys
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -544,23 +541,8 @@ class CheckpointManager:
     # ---------------------------------------------------------------- lifecycle
     def _get_executor(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="resilient-ckpt", initializer=self._lower_priority
-            )
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt")
         return self._executor
-
-    def _lower_priority(self) -> None:
-        """Run in the save's thread as it starts: lower its priority by save_thread_nice. The
-        threads it starts (DCP's writers, the checksum helper) inherit it; the stager's thread
-        does not, since the loop waits for staging at its next optimizer step."""
-        if not self.config.save_thread_nice or sys.platform != "linux":
-            return
-        tid = threading.get_native_id()  # on Linux a nice value belongs to one thread
-        try:
-            nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.config.save_thread_nice)
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError as e:  # a sandbox that forbids it: saves run as before
-            self._log.warning("ckpt.save.priority_unchanged", error=str(e))
 
     def _start_threads(self) -> None:
         """Start the save's and the stager's threads now: started by the first save, each
