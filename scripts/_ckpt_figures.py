@@ -182,8 +182,8 @@ def report(b: Bench, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "async_extra_cpu_s": median(extra_cpu),
         "baseline_step_s": base,
         "step_during_save_s": median(during),
+        "async_window_s": median([r["window"] for r in asy]),
     }
-    summary["async_window_s"] = median([r["window"] for r in asy])
     live = res.get("async_live")
     if live:
         live_stalls = [r["window"] - len(r["step_times"]) * base for r in live]
