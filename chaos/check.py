@@ -223,7 +223,7 @@ def _hot_lost(p: Planned, inj: Injected, rank0: list[dict[str, Any]]) -> int | N
 
 def _missed_catch_ups(rank0: list[dict[str, Any]]) -> list[str]:
     """A hot recovery that lost a durable save in flight must save its resumed step before the
-    first batch (runtime/hot.py, Resumed.catch_up): it commits, or is found committed already,
+    first batch (hot/recovery.py, Resumed.catch_up): it commits, or is found committed already,
     unless a later fault cut it short (that recovery then catches up in its turn)."""
     out = []
     ordered = sorted((e for e in rank0 if "ts" in e), key=lambda e: _epoch(e["ts"]))

@@ -29,9 +29,10 @@ hang). A fault's first firing prints one `chaos.fault {json}` line to stderr (ki
 step, phase, wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as
 the chaos runner does for the faults it sends from outside, so `resilient report` sees both.
 
-`install()` wraps `resilient.runtime.heartbeat.Progress.enter`, the one method every phase
-change goes through, so a fault fires right when a rank enters the phase: production code
-holds no test hook. The exception propagates from there exactly as if the model had raised.
+`install()` arms the runtime's named fault points (resilient/faultpoints.py): a phase entry
+(every phase change goes through it, so a fault fires right when a rank enters the phase), an
+in-memory snapshot's copy, a replica exchange's headers, a hot generation's roll call. The
+exception propagates from there exactly as if the model had raised.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(KINDS)}")
-        from resilient.runtime.heartbeat import Phase
+        from resilient.hang.phases import Phase
 
         if self.phase not in (SNAPSHOT, REPLICATE, REFORM):  # not phases: see install
             Phase.parse(self.phase)  # raises on an unknown phase name
@@ -181,134 +182,40 @@ SNAPSHOT = "snapshot"
 copy into its buffer and before the buffer is marked complete."""
 REPLICATE = "replicate"
 """A pseudo-phase: the fault fires in the background exchange of the snapshot of step `step`
-with the buddy (runtime/replica.py), after the headers crossed and before any tensor did."""
+with the buddy (memory/replica.py), after the headers crossed and before any tensor did."""
 REFORM = "reform"
 """A pseudo-phase: the fault fires as the rank enters the roll call of a new hot-recovery
-generation (hot.roll_call, before its process groups form): a survivor re-running its script,
-or the replacement. Give it `generation=N` (N >= 1) and no step."""
+generation (hot/reform.py's roll call, before its process groups form): a survivor re-running
+its script, or the replacement. Give it `generation=N` (N >= 1) and no step."""
 _installed: list[Fault] = []
-_original: Any = None
 _generation = [0]
-_original_take: Any = None
-_original_swap: Any = None
-_original_roll_call: Any = None
 
 
 def install(faults: list[Fault]) -> None:
-    """Arm `faults` in this process (before the training script creates its Runtime)."""
-    global _original
-    from resilient.runtime.heartbeat import Progress
+    """Arm `faults` in this process (before the training script creates its Runtime), on the
+    runtime's named fault points (resilient/faultpoints.py)."""
+    from resilient import faultpoints as fp
 
     _installed[:] = faults
     _generation[0] = int(os.environ.get("RESILIENT_GENERATION", "0"))  # a re-run: the next one
-    if _original is not None:
-        return
-    _original = Progress.enter
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    original = _original
 
-    def enter(self: Any, phase: Any) -> None:
-        original(self, phase)
-        name = phase.name.lower()
+    def fire(step: int, phase: str) -> None:
         for f in _installed:
-            if f.matches(rank, restart, self.step, name, _generation[0]):
-                f.fire(rank, self.step, name)
+            if f.matches(rank, restart, step, phase, _generation[0]):
+                f.fire(rank, step, phase)
 
-    Progress.enter = enter  # type: ignore[method-assign]
-    _wrap_snapshots(rank, restart)
-    _wrap_roll_call(rank, restart)
-
-
-def _wrap_snapshots(rank: int, restart: int) -> None:
-    """Faults with phase=snapshot fire inside `Snapshots.take`, once its copy is made and
-    before the step is marked held: a kill there loses the copy in the making."""
-    global _original_take
-    from resilient.runtime import snapshot
-
-    take, copy = snapshot.Snapshots.take, snapshot._copy
-    _original_take = (take, copy)
-    due: list[tuple[Fault, int]] = []
-
-    def take_(self: Any, step: int) -> None:
-        gen = _generation[0]
-        due[:] = [(f, step) for f in _installed if f.matches(rank, restart, step, SNAPSHOT, gen)]
-        try:
-            take(self, step)
-        finally:
-            due.clear()
-
-    def copy_(*args: Any, **kwargs: Any) -> Any:
-        out = copy(*args, **kwargs)
-        for f, step in list(due):
-            f.fire(rank, step, SNAPSHOT)
-        return out
-
-    snapshot.Snapshots.take = take_  # type: ignore[method-assign]
-    snapshot._copy = copy_
-    _wrap_replicas(rank, restart)
-
-
-def _wrap_replicas(rank: int, restart: int) -> None:
-    """Faults with phase=replicate fire inside `BuddyReplicas._swap` (the replica thread),
-    when the structure of the tensors to come is known on both sides: the buddy is then
-    waiting for tensors that never come."""
-    global _original_swap
-    from resilient.runtime import replica
-
-    swap, fill = replica.BuddyReplicas._swap, replica._fill
-    _original_swap = (swap, fill)
-    due: list[tuple[Fault, int]] = []
-
-    def swap_(self: Any, step: int, *args: Any) -> Any:
-        gen = _generation[0]
-        due[:] = [(f, step) for f in _installed if f.matches(rank, restart, step, REPLICATE, gen)]
-        try:
-            return swap(self, step, *args)
-        finally:
-            due.clear()
-
-    def fill_(*args: Any, **kwargs: Any) -> Any:
-        for f, step in list(due):
-            f.fire(rank, step, REPLICATE)
-        return fill(*args, **kwargs)
-
-    replica.BuddyReplicas._swap = swap_  # type: ignore[method-assign,assignment]
-    replica._fill = fill_
-
-
-def _wrap_roll_call(rank: int, restart: int) -> None:
-    """Faults with phase=reform fire as the rank enters hot.roll_call (the Runtime looks it
-    up at the call, so replacing the module's function reaches it)."""
-    global _original_roll_call
-    from resilient.runtime import hot
-
-    roll_call = _original_roll_call = hot.roll_call
-
-    def roll_call_(store: Any, rank_: int, world: int, wd: Any) -> None:
-        for f in _installed:
-            if f.matches(rank, restart, -1, REFORM, _generation[0]):
-                f.fire(rank, -1, REFORM)
-        roll_call(store, rank_, world, wd)
-
-    hot.roll_call = roll_call_
+    fp.arm(fp.PHASE_ENTER, lambda step, phase: fire(step, phase.name.lower()))
+    # a kill there loses the snapshot in the making: copied, not yet marked held
+    fp.arm(fp.SNAPSHOT_COPIED, lambda step: fire(step, SNAPSHOT))
+    # the buddy then waits for tensors that never come
+    fp.arm(fp.REPLICA_HEADERS, lambda step: fire(step, REPLICATE))
+    fp.arm(fp.HOT_ROLL_CALL, lambda generation: fire(-1, REFORM))
 
 
 def uninstall() -> None:
-    global _original, _original_take, _original_swap, _original_roll_call
-    from resilient.runtime import hot, replica, snapshot
-    from resilient.runtime.heartbeat import Progress
+    from resilient import faultpoints as fp
 
-    if _original is not None:
-        Progress.enter = _original  # type: ignore[method-assign]
-        _original = None
-    if _original_take is not None:
-        snapshot.Snapshots.take, snapshot._copy = _original_take  # type: ignore[method-assign]
-        _original_take = None
-    if _original_swap is not None:
-        replica.BuddyReplicas._swap, replica._fill = _original_swap  # type: ignore[method-assign]
-        _original_swap = None
-    if _original_roll_call is not None:
-        hot.roll_call = _original_roll_call
-        _original_roll_call = None
+    fp.disarm()
     _installed.clear()

@@ -1,10 +1,10 @@
 """Invariant (f): the steps a restart ran again are the steps it had run before.
 
 After every resume from a checkpoint, each rank replays the steps between that checkpoint
-and the fault. Their fingerprints (resilient/runtime/fingerprint.py: the first forward inputs
+and the fault. Their fingerprints (resilient/replay/fingerprint.py: the first forward inputs
 of the step, and the loss when handed over) must equal the earlier attempt's, and the runtime's
 own online check must not have logged `resume.diverged`. This reads the ranks' logs itself
-(resilient.replay.across_attempts), so it does not rely on the check it verifies.
+(resilient.replay.compare.across_attempts), so it does not rely on the check it verifies.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from resilient import events as ev
-from resilient.replay import across_attempts
+from resilient.replay.compare import across_attempts
 
 __all__ = ["check_replay"]
 

@@ -106,7 +106,7 @@ LOST_PROCESS = {
 }
 """In hot mode these need `resilient run --hot-recovery` (a warm replacement); without it
 a hot scenario that has one is skipped, with the reason. A hung or stopped rank is one: the
-watchdog's hot verdict takes it out alone (runtime/verdict.py), and it is replaced."""
+watchdog's hot verdict takes it out alone (hang/verdict.py), and it is replaced."""
 HOT_KINDS = {"raise", "oom", "raise_twice"} | LOST_PROCESS
 """The faults a hot-mode scenario may have (issue 10, item 5)."""
 _IN_STEP = ("forward", "backward")
@@ -249,7 +249,7 @@ class Scenario:
         the same bits. In hot mode with the DDP recipe (it steps through rt.micro_batches) an
         OOM doubles the split from its step on: one retried in place, and one outside the
         forward and backward too, whose rank is replaced and carries the doubled split
-        (runtime/guard.py) into the generation that resumes from the snapshot before its
+        (guard/attempt.py) into the generation that resumes from the snapshot before its
         step (snapshots every step in hot mode: chaos/launch.py)."""
         out, split = [], 1
         for f in sorted(self.faults, key=lambda f: f.at_step):

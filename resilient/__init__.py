@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from resilient.version import __version__
 
 if TYPE_CHECKING:
     from resilient.checkpoint import (
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
         StorageError,
     )
     from resilient.exitcodes import ExitCode
-    from resilient.runtime import Runtime, RuntimeConfig, WatchdogConfig, current, init
+    from resilient.hang.config import WatchdogConfig
+    from resilient.runtime import Runtime, RuntimeConfig, current, init
 
 _HOME = {
     "CheckpointConfig": "resilient.checkpoint",
@@ -44,7 +45,7 @@ _HOME = {
     "ExitCode": "resilient.exitcodes",
     "Runtime": "resilient.runtime",
     "RuntimeConfig": "resilient.runtime",
-    "WatchdogConfig": "resilient.runtime",
+    "WatchdogConfig": "resilient.hang.config",
     "current": "resilient.runtime",
     "init": "resilient.runtime",
 }

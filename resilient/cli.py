@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         from resilient.supervisor import main as run_main
 
         return run_main(argv[1:])
-    if argv[:1] == ["check-resume"]:  # torchrun's flags too: parsed there (check_resume.py)
-        from resilient.check_resume import main as check_main
+    if argv[:1] == ["check-resume"]:  # torchrun's flags too: parsed there (replay/check_resume.py)
+        from resilient.replay.check_resume import main as check_main
 
         return check_main(argv[1:])
     parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])

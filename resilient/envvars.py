@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.storekeys import HotKeys
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -39,19 +41,19 @@ __all__ = [
     "ENV_STOP_AT",
     "ENV_STORE",
     "ENV_WATCHDOG",
+    "HOT_WAIT_S",
     "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-    "WATCHDOG_PREFIX",
+    "HotMode",
     "hosted_store",
     "int_env",
     "json_object_env",
     "parse_signals",
     "watchdog_setting",
-    "worker_store_prefix",
 ]
 
 # ---------------------------------------------------------------- resilient's own
@@ -99,7 +101,7 @@ script passes to init(), so checking never touches the script's own checkpoints.
 ENV_HOT = "RESILIENT_HOT"
 """Hot recovery of a lost process ("1"), set by `resilient run --hot-recovery`: the workers keep
 in-memory snapshots, and when one of them dies the others stay alive, re-run the script in
-place and continue from their snapshot with a replacement (resilient/runtime/hot.py)."""
+place and continue from their snapshot with a replacement (resilient/hot/recovery.py)."""
 ENV_GENERATION = "RESILIENT_GENERATION"
 """The generation of the worker group within one attempt: 0 at the attempt's start, one more
 after each hot recovery (set for the replacement by the agent, and by the worker wrapper for
@@ -130,21 +132,41 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 """Signals that mean "save and leave" by default."""
 
 
-WATCHDOG_PREFIX = "watchdog"
-"""Under a generation's prefix: the workers' heartbeats and verdicts (runtime/watchdog.py; the
-verdict is the key `verdict`, runtime/verdict.py)."""
+HOT_WAIT_S = 30.0
+"""How long a survivor of a hot recovery waits for the agent's next generation, and a rank
+spared by a hot verdict for its main thread to meet the loss, before going cold."""
 
 
-def worker_store_prefix(attempt: str, generation: int = 0) -> str:
-    """The keys of one attempt's generation in the launcher's store: the workers' process groups
-    and their watchdog live under it (runtime/dist.py)."""
-    return f"resilient/attempt_{attempt}" + (f"/gen_{generation}" if generation else "")
+@dataclass(frozen=True)
+class HotMode:
+    """Hot recovery as this process's Runtime sees it: on or off, the generation it runs in,
+    the attempt it belongs to. Read once from the environment (`from_env`, when a Runtime
+    starts) and handed down to whatever needs it, never read again on the way."""
 
+    enabled: bool = False
+    """`resilient run --hot-recovery` set ENV_HOT."""
+    generation: int = 0
+    """0 at the attempt's start, one more after each hot recovery."""
+    attempt: str = "0"
+    """The attempt id that prefixes this attempt's hot keys in the launcher's store."""
+    wait_s: float = HOT_WAIT_S
 
-def hot_store_prefix(attempt: str) -> str:
-    """The keys of an attempt's hot recoveries in the launcher's store: the agent publishes
-    generations there and the workers (runtime/hot.py) their replicas and `formed` marks."""
-    return f"resilient/attempt_{attempt}/hot"
+    @classmethod
+    def from_env(cls) -> HotMode:
+        return cls(
+            enabled=os.environ.get(ENV_HOT, "") == "1",
+            generation=int_env(ENV_GENERATION, 0),
+            attempt=os.environ.get(ENV_ATTEMPT, "0"),
+        )
+
+    @property
+    def rejoining(self) -> bool:
+        """A generation after a hot recovery: its ranks re-form and restore from memory."""
+        return self.enabled and self.generation >= 1
+
+    @property
+    def keys(self) -> HotKeys:
+        return HotKeys(self.attempt)
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:

@@ -1,5 +1,5 @@
 """The worker wrapper of `resilient run --hot-recovery`: runs the training script, and runs it
-again in the same process after a hot recovery (resilient/runtime/hot.py).
+again in the same process after a hot recovery (resilient/hot/recovery.py).
 
     python -u -m resilient.worker SCRIPT ARGS...       # what the agent starts per local rank
     python -u -m resilient.worker -m MODULE ARGS...
@@ -24,9 +24,12 @@ import os
 import runpy
 import sys
 import time
+from typing import Any
 
 from resilient.envvars import ENV_GENERATION
-from resilient.runtime import hot
+from resilient.hot import carry, reform
+from resilient.hot.recovery import HotRestart, divert_escaped
+from resilient.runtime.runtime import current
 
 
 def _run(argv: list[str]) -> None:
@@ -66,6 +69,14 @@ def _become_assigned() -> list[str]:
     return list(job["argv"])
 
 
+def _uncaught_handler() -> Any:
+    """The running Runtime's guard entry for an escaped exception (None: no Runtime up)."""
+    try:
+        return current().guards.on_uncaught
+    except RuntimeError:  # no Runtime, or already closed or abandoned
+        return None
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--spare"]:
         argv = _become_assigned()
@@ -79,22 +90,22 @@ def main(argv: list[str]) -> None:
         try:
             _run(list(argv))
             return
-        except hot.HotRestart:
+        except HotRestart:
             pass
         except Exception as exc:
             # A peer's loss noticed outside the guard (a user's own collective, a save that
             # finds the previous async write failed on the lost peer) escaped the script. The
             # excepthook would see it only after this wrapper returned, too late to run the
             # script again: hand it to the Runtime's guard here instead.
-            if not hot.divert_escaped(exc):
+            if not divert_escaped(_uncaught_handler(), exc):
                 raise
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
         # collect them, so their finalizers run before the next generation starts.
         t0 = time.monotonic()
         gc.collect()
         gc.freeze()  # what is left (the script's own imports) stays out of the next one
-        hot.note("gc_s", time.monotonic() - t0)
-        os.environ[ENV_GENERATION] = str(hot.await_generation())
+        carry.note("gc_s", time.monotonic() - t0)
+        os.environ[ENV_GENERATION] = str(reform.await_generation())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ raised so that two faults close together cannot stop the run; its backoff stays 
 
 1. Calibration: a fault-free run with a save every few seconds and then one kill -9. From its
    report: the reference step time, the effective save cost C (blocked time plus the slowdown
-   of the steps beside the background write, from step times; resilient/report/analysis.py) and the
+   of the steps beside the background write, from step times; resilient/report/goodput.py) and the
    restart cost R (fault to the resumed state).
 2. The checkpoint interval is set to Daly's optimum for C and the MTBF M, in steps
    (`--save-every`, the recipe has no time-based flag).
@@ -22,7 +22,7 @@ raised so that two faults close together cannot stop the run; its backoff stays 
    faults inside a restart either (the expected shift is about R^2 / 2M, 0.3 s at M = 45 s).
    Then `resilient.report.analyze(run_dir, mtbf_s=M)`: the measured goodput against the
    optimum computed from that run's own C and R, with the run's one-time start-up and end
-   added to the optimum (see resilient/report/analysis.py).
+   added to the optimum (see resilient/report/optimum.py).
 
 With `--hot` the launcher runs with `--hot-recovery` and the recipe steps through
 `rt.micro_batches`: a killed rank is replaced by a warm spare while the other stays alive and

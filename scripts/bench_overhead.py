@@ -187,7 +187,9 @@ def monitor_scale(n: int = 16_384, periods: int = 30) -> float:
     """CPU fraction of HangDetector.update for n ranks polled once a second (all healthy)."""
     import numpy as np
 
-    from resilient.runtime.heartbeat import BEAT_DTYPE, FLAG_WARM, HangDetector, WatchdogConfig
+    from resilient.hang.config import WatchdogConfig
+    from resilient.hang.heartbeat import BEAT_DTYPE, HangDetector
+    from resilient.hang.phases import FLAG_WARM
 
     clock = [0.0]
     det = HangDetector(WatchdogConfig(), range(n), clock=lambda: clock[0])
@@ -289,12 +291,12 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_reduce = timed_all_reduce  # type: ignore[assignment]
 
     # the agreement beside the backward, as the loop pays it: the vote's launch before the
-    # synced backward plus the wait for it after (runtime/guard.py)
-    from resilient.runtime import guard as guard_mod
+    # synced backward plus the wait for it after (guard/attempt.py)
+    from resilient.guard.attempt import Attempt
 
     vote_in_loop: list[float] = []
     vote_wait: list[float] = []
-    launch, finish = guard_mod._Attempt.launch, guard_mod._Attempt.finish
+    launch, finish = Attempt.launch, Attempt.finish
 
     def timed_launch(self: Any, status: int) -> None:
         t0 = time.perf_counter()
@@ -311,7 +313,7 @@ def worker(args: argparse.Namespace) -> None:
     # folded into the gradient all-reduce (the default here): the read of one reduced
     # gradient element after the synced backward is all the loop pays
     fold_check: list[float] = []
-    gradients_finite = guard_mod._Attempt.gradients_finite
+    gradients_finite = Attempt.gradients_finite
 
     def timed_check(self: Any) -> bool:
         t0 = time.perf_counter()
@@ -319,9 +321,9 @@ def worker(args: argparse.Namespace) -> None:
         fold_check.append(time.perf_counter() - t0)
         return ok
 
-    guard_mod._Attempt.launch = timed_launch  # type: ignore[method-assign]
-    guard_mod._Attempt.finish = timed_finish  # type: ignore[method-assign]
-    guard_mod._Attempt.gradients_finite = timed_check  # type: ignore[method-assign]
+    Attempt.launch = timed_launch  # type: ignore[method-assign]
+    Attempt.finish = timed_finish  # type: ignore[method-assign]
+    Attempt.gradients_finite = timed_check  # type: ignore[method-assign]
 
     def run_block(
         name: str, n: int, times: list[float] | None, cpu: list[float] | None = None
@@ -409,8 +411,8 @@ def worker(args: argparse.Namespace) -> None:
         pass
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     dist.all_reduce = all_reduce  # type: ignore[assignment]
-    guard_mod._Attempt.launch, guard_mod._Attempt.finish = launch, finish  # type: ignore[method-assign]
-    guard_mod._Attempt.gradients_finite = gradients_finite  # type: ignore[method-assign]
+    Attempt.launch, Attempt.finish = launch, finish  # type: ignore[method-assign]
+    Attempt.gradients_finite = gradients_finite  # type: ignore[method-assign]
     # what the loop paid for the agreement per step: a vote's launch and wait where one was
     # held, the one-element read where it was folded into the gradient all-reduce
     in_loop = vote_in_loop + fold_check
@@ -436,7 +438,7 @@ def worker(args: argparse.Namespace) -> None:
         wd.progress.end_step()
 
     step_ms = per_call(bookkeeping) * 1000
-    # the step fingerprint (resilient/runtime/fingerprint.py): the hash of the first forward's
+    # the step fingerprint (resilient/replay/fingerprint.py): the hash of the first forward's
     # inputs, the observed loss and the step.fingerprint event, as one step pays them
     fp, fx, fy = rt._fp, *batches[0]
     fp_loss = torch.tensor(1.0)

@@ -296,7 +296,7 @@ def _hot_kill(
 
 SETTLED = 40
 """Steps the overhead runs leave out: warm-up, and the adaptive interval's first two
-agreements (at 4 steps and at 32), after which it holds (runtime/snapshot.py)."""
+agreements (at 4 steps and at 32), after which it holds (memory/snapshot.py)."""
 
 
 def _per_step(rec: Path, skip: int) -> tuple[float, float]:

@@ -32,8 +32,8 @@ from resilient import (
 )
 from resilient.checkpoint.manifest import step_dir
 from resilient.checkpoint.state import Unpacked, _unpack, pack
-from resilient.checksum import checksum_of
 from resilient.storage import RetryPolicy
+from resilient.storage.checksum import checksum_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,10 +28,10 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from chaos.netns import Hosts, netns_unavailable
 from recipes.common.data import build_dataset
+from resilient.data.batches import ResumableBatches
+from resilient.data.position import DataPosition
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
-from resilient.runtime.batches import ResumableBatches
-from resilient.runtime.elastic import DataPosition
 
 SEED = 0
 

@@ -3,7 +3,7 @@
 2k steps straight vs k steps, every process gone, then k more in fresh processes: the full
 model and optimizer state must be bit-for-bit equal. The same after a kill -9 of one rank
 under torchrun --max-restarts, and for DDP on 3 ranks, where a different gradient-bucket
-layout in the resumed process's first step would change gloo's sums (resilient.runtime._ddp).
+layout in the resumed process's first step would change gloo's sums (resilient.dist.ddp).
 A small corpus makes the runs cross an epoch boundary.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from chaos.procs import REPO, Run, events, latest_event, torchrun_cmd, wait_for
-from resilient.runtime.heartbeat import ENV_WATCHDOG
+from resilient.envvars import ENV_WATCHDOG
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -17,12 +17,12 @@ import torch
 from helpers import exit_events, launch_ranks, only_event
 
 from chaos.procs import events, latest_event
+from resilient.dist.groups import DistContext
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
-from resilient.runtime.dist import DistContext
-from resilient.runtime.guard import SPLIT_FILE, Guard
-from resilient.runtime.heartbeat import WatchdogConfig
-from resilient.runtime.watchdog import Watchdog
+from resilient.guard.guard import SPLIT_FILE, Guard
+from resilient.hang.config import WatchdogConfig
+from resilient.hang.watchdog import Watchdog
 
 STEPS = ["--steps", "6"]
 
@@ -162,7 +162,7 @@ def test_ddp_oom_retry_is_bitwise_the_smaller_split(
     assert retry is not None and retry["failed_rank"] == 1 and retry["step"] == 3
     # from the second batch on, rank 1 joined its peers' gradient all-reduce with NaN, and
     # the agreement was folded into it: no vote unless the reduced gradients are not finite
-    # (runtime/guard.py); with a Python comm hook the vote rides beside the backward
+    # (guard/attempt.py); with a Python comm hook the vote rides beside the backward
     assert retry["agreed"] == (
         "beside the backward" if hook else "folded into the gradient all-reduce"
     )

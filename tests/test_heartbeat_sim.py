@@ -14,18 +14,9 @@ import numpy as np
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.runtime.heartbeat import (
-    BEAT_DTYPE,
-    FLAG_FAILED,
-    FLAG_OOM,
-    FLAG_WARM,
-    HangDetector,
-    Phase,
-    Progress,
-    WatchdogConfig,
-    decode_beats,
-    encode_beat,
-)
+from resilient.hang.config import WatchdogConfig
+from resilient.hang.heartbeat import BEAT_DTYPE, HangDetector, decode_beats, encode_beat
+from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, FLAG_WARM, Phase, Progress
 
 IV = 0.5  # heartbeat interval of the small simulations
 

@@ -1,4 +1,4 @@
-"""Hot recovery of a lost process under `resilient run --hot-recovery` (resilient/runtime/hot.py).
+"""Hot recovery of a lost process under `resilient run --hot-recovery` (resilient/hot/recovery.py).
 
 Real gloo ranks of tests/workers/guarded_train.py (DDP, rt.micro_batches, a StatefulDataLoader)
 under the real launcher; chaos.inject SIGKILLs a rank from inside at a chosen step. Each test
@@ -225,7 +225,7 @@ def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
     names rank 1 (stalled past its phase timeout; silent and stopped) in a hot verdict: the
     sleeping rank dumps its stacks and exits, the stopped one is SIGKILLed by rank 0, which
     stays, meets the closed connection and goes hot with the replacement
-    (runtime/verdict.py)."""
+    (hang/verdict.py)."""
     code, err = _run(
         tmp_path,
         2,
@@ -260,7 +260,7 @@ def test_a_killed_fsdp2_rank_is_restored_from_its_buddys_replica(
     golden_fsdp: dict[int, str], tmp_path: Path, nproc: int, victim: int, buddy: int
 ) -> None:
     """FSDP2: the victim's shards exist nowhere else but in the replica its buddy received
-    after each snapshot (runtime/replica.py). The replacement gets them from the buddy; the
+    after each snapshot (memory/replica.py). The replacement gets them from the buddy; the
     survivors restore their own; the run ends bitwise equal to the fault-free one."""
     code, err = _run(
         tmp_path,
@@ -390,7 +390,7 @@ def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
 ) -> None:
     """FSDP2 in a plain loop: rank 1 sleeps as it enters the forward (or the backward); rank 0
     blocks in FSDP2's next all-gather, in the same phase. The progress ticks run ahead of
-    FSDP2's own hooks (runtime/instrument.py), so rank 0 is one tick further and rank 1 alone
+    FSDP2's own hooks (hang/instrument.py), so rank 0 is one tick further and rank 1 alone
     is named: a hot verdict, not a cold one for both (chaos found both named before)."""
     code, err = _run(
         tmp_path,

@@ -9,7 +9,7 @@ import psutil
 import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from resilient.runtime.loader_workers import shield_workers
+from resilient.preempt.loader_workers import shield_workers
 
 
 def _seen(worker_id: int) -> None:

@@ -20,9 +20,7 @@ import pytest
 
 from chaos.procs import REPO, Run, torchrun_cmd, wait_for
 from resilient import events as ev
-from resilient.envvars import ENV_FINAL_DIGEST
-from resilient.runtime.heartbeat import ENV_WATCHDOG
-from resilient.runtime.preempt import ENV_PREEMPT
+from resilient.envvars import ENV_FINAL_DIGEST, ENV_PREEMPT, ENV_WATCHDOG
 
 WORKERS = REPO / "tests" / "workers"
 TUTORIAL = WORKERS / "tutorial_ddp.py"

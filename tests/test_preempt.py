@@ -21,17 +21,10 @@ from helpers import (
 )
 
 from resilient.checkpoint import CheckpointConfig, CheckpointManager
+from resilient.envvars import ENV_GRACE_S, ENV_PREEMPT, ENV_PREEMPT_SIGNALS, parse_signals
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
-from resilient.runtime.preempt import (
-    ENV_GRACE_S,
-    ENV_PREEMPT,
-    ENV_PREEMPT_SIGNALS,
-    PreemptConfig,
-    Preempted,
-    PreemptionWatch,
-    parse_signals,
-)
+from resilient.preempt.watch import PreemptConfig, Preempted, PreemptionWatch
 
 # ---------------------------------------------------------------------- units
 

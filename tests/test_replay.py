@@ -14,9 +14,9 @@ import torch
 from chaos.procs import REPO, Run, torchrun_cmd
 from chaos.replay_check import check_replay
 from resilient import events as ev
-from resilient.replay import across_attempts, compare
+from resilient.replay.compare import across_attempts, compare
+from resilient.replay.fingerprint import ReplayCheck, StepFingerprints
 from resilient.report import analyze, format_report
-from resilient.runtime.fingerprint import ReplayCheck, StepFingerprints
 
 GPT = REPO / "tests" / "workers" / "gpt_style.py"
 
@@ -204,7 +204,7 @@ def test_check_resume_passes_on_the_ddp_recipe(tmp_path: Path) -> None:
 
 
 def test_check_resume_splits_its_flags_torchrun_flags_and_the_script(tmp_path: Path) -> None:
-    from resilient.check_resume import _parse, _torchrun, main
+    from resilient.replay.check_resume import _parse, _torchrun, main
 
     script = tmp_path / "train.py"
     script.write_text("")

@@ -20,10 +20,10 @@ from resilient import (
     CheckpointError,
     CheckpointManager,
     StorageError,
-    _transfer,
 )
 from resilient.checkpoint.tiers import TieredCheckpointManager
 from resilient.storage import RetryPolicy, is_retryable
+from resilient.storage import transfer as _transfer
 
 if TYPE_CHECKING:  # imported by pytest as a plugin; importing it here first would skip
     from s3_fixtures import S3Env  # its assertion rewriting

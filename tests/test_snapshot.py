@@ -20,10 +20,11 @@ from torch.distributed.tensor import DTensor
 
 from resilient.checkpoint._torch_compat import no_init_step
 from resilient.checkpoint.state import state_digest
+from resilient.dist.groups import DistContext
 from resilient.errors import ConfigError
-from resilient.runtime.dist import DistContext
-from resilient.runtime.replica import BuddyReplicas, is_sharded, localize, rehydrate
-from resilient.runtime.snapshot import SnapshotConfig, Snapshots, StepCounter
+from resilient.memory.interval import MAX_EVERY, Measurements, wanted_interval
+from resilient.memory.replica import BuddyReplicas, is_sharded, localize, rehydrate
+from resilient.memory.snapshot import SnapshotConfig, Snapshots, StepCounter
 from tests.trainee import Trainee
 
 CTX = DistContext(rank=0, world_size=1, local_rank=0, restart=0, run_id="t", host="h", backend=None)
@@ -62,57 +63,66 @@ def test_rollback_restores_the_snapshot_bit_for_bit_and_the_buffers_stay_intact(
 
 
 def test_the_adaptive_interval_weighs_the_steps_a_replica_exchange_slows() -> None:
-    """The interval's arithmetic on recorded step times (no processes): a copy of 1 ms
+    """The interval's arithmetic on recorded step times (pure, no processes): a copy of 1 ms
     against 100 ms steps is under the 2% budget, but an exchange that slows the step after
     each snapshot by 30 ms is not; an exchange cannot cost more than it lasted; where it
     slows nothing, every step again."""
-    snaps = Snapshots(SnapshotConfig(enabled=True), CTX)
-    snaps.sharded, snaps.replicas = True, BuddyReplicas(CTX)
-    snaps._copy_s, snaps._step_s = [0.001] * 8, [0.100] * 8
-    snaps._busy_s, snaps._spans = [0.130] * 4, [1] * 4  # every step so far: nothing to
-    snaps._agree_interval()  # compare with yet
-    assert snaps.every == 2
-    snaps._step_s = [0.100] * 32
-    snaps._clean_s = [0.100] * 16  # 30 ms per exchange: (1 + 30) / (0.02 * 100) = 15.5
-    snaps._busy_s, snaps._spans = [0.130] * 16, [1] * 16
+    m = Measurements(copy_s=[0.001] * 8, step_s=[0.100] * 8)
+    m.busy_s, m.spans = [0.130] * 4, [1] * 4  # every step so far: nothing to compare with yet
+
+    def want(current: int) -> int:
+        return wanted_interval(m, budget=0.02, current=current, replicating=True)[0]
+
+    assert want(1) == 2
+    m.step_s = [0.100] * 32
+    m.clean_s = [0.100] * 16  # 30 ms per exchange: (1 + 30) / (0.02 * 100) = 15.5
+    m.busy_s, m.spans = [0.130] * 16, [1] * 16
+    assert want(2) == 16
+    m.exchange_wall = [0.010] * 16  # it ran for 10 ms only: (1 + 10) / 2 = 5.5
+    assert want(16) == 8
+    m.exchange_wall = [0.001] * 16  # (1 + 1) / 2 = 1, but at most halved at a time
+    assert want(8) == 4
+    assert want(4) == 2
+    m.busy_s = [0.100] * 16  # no longer slower than the others: the copy alone
+    assert want(2) == 1
+    plain = Measurements(copy_s=[0.001] * 8, step_s=[0.1] * 8)  # nothing replicated
+    assert wanted_interval(plain, budget=0.02, current=1, replicating=False) == (1, 0.0)
+    huge = Measurements(copy_s=[10.0], step_s=[0.001])  # never past the cap
+    assert wanted_interval(huge, budget=0.02, current=1, replicating=False)[0] == MAX_EVERY
+
+
+def test_the_snapshots_agree_the_interval_they_want() -> None:
+    """Snapshots takes what wanted_interval says (one process: MAX over itself)."""
+    snaps = Snapshots(SnapshotConfig(enabled=True), CTX, replicas=BuddyReplicas(CTX))
+    snaps.sharded = True
+    snaps.measured = Measurements(
+        copy_s=[0.001] * 8, step_s=[0.1] * 32, clean_s=[0.1] * 16, busy_s=[0.13] * 16
+    )
+    snaps.measured.spans = [1] * 16
     snaps._agree_interval()
     assert snaps.every == 16
-    snaps._exchange_wall = [0.010] * 16  # it ran for 10 ms only: (1 + 10) / 2 = 5.5
-    snaps._agree_interval()
-    assert snaps.every == 8
-    snaps._exchange_wall = [0.001] * 16  # (1 + 1) / 2 = 1, but at most halved at a time
-    snaps._agree_interval()
-    assert snaps.every == 4
-    snaps._agree_interval()
-    assert snaps.every == 2
-    snaps._busy_s = [0.100] * 16  # no longer slower than the others: the copy alone
-    snaps._agree_interval()
-    assert snaps.every == 1
-    plain = Snapshots(SnapshotConfig(enabled=True), CTX)  # nothing replicated: the copy alone
-    plain._copy_s, plain._step_s = [0.001] * 8, [0.1] * 8
-    plain._agree_interval()
-    assert plain.every == 1
 
 
 def test_a_hot_re_run_goes_on_at_the_interval_it_had() -> None:
-    """What a survivor carries over a hot re-run (hot.restart keeps interval_state, hot.resume
-    gives it to adopt_interval): the new Snapshots starts at the interval the group had, with
-    its measurements, and skips the early agreement four steps in (it would otherwise
-    snapshot every step until then, and at 16 x the budget that is 4 steps at 16 x)."""
+    """What a survivor carries over a hot re-run (HotRecovery.restart keeps interval_state,
+    the hot resume gives it to adopt_interval): the new Snapshots starts at the interval the
+    group had, with its measurements, and skips the early agreement four steps in (it would
+    otherwise snapshot every step until then, and at 16 x the budget that is 4 steps at
+    16 x)."""
     t = Trainee(0)
     t.train(1, seed=1)
-    old = Snapshots(SnapshotConfig(enabled=True), CTX)
-    old.sharded, old.replicas = True, BuddyReplicas(CTX)
-    old._step_s = old._clean_s = [0.100] * 16
-    old._copy_s, old._busy_s, old._spans = [0.001] * 8, [0.130] * 16, [1] * 16
+    old = Snapshots(SnapshotConfig(enabled=True), CTX, replicas=BuddyReplicas(CTX))
+    old.sharded = True
+    old.measured = Measurements(step_s=[0.100] * 16, clean_s=[0.100] * 16, copy_s=[0.001] * 8)
+    old.measured.busy_s, old.measured.spans = [0.130] * 16, [1] * 16
     old._agree_interval()
     assert old.every == 16
     carried = old.interval_state()
-    new = Snapshots(SnapshotConfig(enabled=True), CTX)
-    new.sharded, new.replicas = True, BuddyReplicas(CTX)
+    new = Snapshots(SnapshotConfig(enabled=True), CTX, replicas=BuddyReplicas(CTX))
+    new.sharded = True
     new.track(t.state())
     new.adopt_interval(16, carried)
-    assert new.every == 16 and new._busy_s == old._busy_s
+    assert new.every == 16 and new.measured.busy_s == old.measured.busy_s
     for step in range(40, 46):  # past the early agreement (start + 4): still 16, no snapshot
         new.after_step(step)
     assert new.every == 16 and new.held == []
@@ -121,7 +131,7 @@ def test_a_hot_re_run_goes_on_at_the_interval_it_had() -> None:
     # the replacement holds no measurements of its own: the interval alone
     fresh = Snapshots(SnapshotConfig(enabled=True), CTX)
     fresh.adopt_interval(16, None)
-    assert fresh.every == 16 and fresh._step_s == []
+    assert fresh.every == 16 and fresh.measured.step_s == []
     # a fixed interval is the user's: nothing to adopt
     fixed = Snapshots(SnapshotConfig(enabled=True, every_steps=2), CTX)
     fixed.adopt_interval(16, carried)

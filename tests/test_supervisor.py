@@ -19,9 +19,9 @@ from helpers import SUPERVISED_WORKER, Launcher, last_by_step, records, run_cmd,
 from resilient.backoff import ExponentialJitter
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode, describe
-from resilient.supervisor.agent import peek_exit
 from resilient.supervisor.config import DEFAULT_MAX_RESTARTS, UsageError, parse_command_line
 from resilient.supervisor.policy import RestartPolicy, RestartTracker
+from resilient.supervisor.procs import peek_exit
 from resilient.supervisor.report import (
     AttemptRecord,
     EventLogs,

@@ -15,8 +15,8 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
-from resilient._transfer import MemoryReader
 from resilient.storage import Buffer, Storage
+from resilient.storage.transfer import MemoryReader
 
 __all__ = ["StorageFileSystem", "VerifiedBytesFileSystem"]
 

@@ -45,9 +45,9 @@ from resilient.checkpoint._torch_compat import (
     tensor_in_record,
 )
 from resilient.checkpoint.manifest import FileEntry, Manifest
-from resilient.checksum import updater
 from resilient.errors import CheckpointCorruptError, CheckpointError
 from resilient.storage import Buffer, Storage
+from resilient.storage.checksum import updater
 
 __all__ = [
     "SafeLoadPlanner",

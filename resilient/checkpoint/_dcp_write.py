@@ -1,7 +1,7 @@
 """The DCP writer of our checkpoints: it checksums every file as DCP writes it.
 
 `make_writer` gives a FileSystemWriter that records (checksum, size) of every file, computed
-once as the bytes go by (resilient.checksum: CRC-32C), so the manifest needs no second read
+once as the bytes go by (resilient.storage.checksum: CRC-32C), so the manifest needs no second read
 of the checkpoint. In the threads that write our files, torch.save's own per-record zip
 CRC-32 is skipped (resilient/checkpoint/_torch_compat.py): torch.load never checks it and
 our checksum covers every byte, so it was a second CPU pass over the same bytes. The files
@@ -13,7 +13,7 @@ hands the newest bytes to the kernel's writeback at once, and frees the pages of
 before them, whose writeback has had a round to finish. A save then reuses a few hundred MiB
 of page cache instead of dirtying the whole checkpoint's worth until DCP's fsync at the end
 of the file. On our test VM, where fresh page-cache pages are dear, a 4 GiB blocking save in
-a run of saves took 2.9 s instead of 4.1 (docs/benchmarks.md, issue 12's eighth pass). The
+a run of saves took 2.9 s instead of 4.1 (docs/benchmarks-history.md, issue 12's eighth pass). The
 cost: the files are not in the page cache after the save, so a restart on the same host
 reads them from the disk.
 
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from resilient.checkpoint._dcp_fs import StorageFileSystem
 from resilient.checkpoint._torch_compat import no_zip_crc32_in_this_thread
-from resilient.checksum import DEFAULT, updater
 from resilient.storage import Storage
+from resilient.storage.checksum import DEFAULT, updater
 
 # Writes at least this large are hashed on a helper thread while the write runs.
 _OVERLAP_MIN_BYTES = 1 << 20
@@ -166,7 +166,7 @@ class _HashingFileSystem:
 
 class _LocalWriter(FileSystemWriter):
     """FileSystemWriter that exposes `file_checksums`: {file name: (checksum, size)} for this
-    rank (resilient.checksum.DEFAULT)."""
+    rank (resilient.storage.checksum.DEFAULT)."""
 
     def __init__(self, path: str, *, drop_behind: bool, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)

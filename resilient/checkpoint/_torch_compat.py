@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from resilient._torch_check import TorchCompatError, missing
-from resilient._transfer import MemoryReader
+from resilient.storage.transfer import MemoryReader
 
 __all__ = [
     "FQNS_UNAVAILABLE",

@@ -42,8 +42,9 @@ class CheckpointConfig:
     keep_in_page_cache: bool = False
     """Local disk: leave the files a save wrote in the page cache, so a load soon after on the
     same host reads them from memory. By default a save drops its pages behind it as they
-    are written: less page cache per save, and on our test VM faster saves (docs/benchmarks.md),
-    at the price of a restart reading the checkpoint from the disk."""
+    are written: less page cache per save, and on our test VM faster saves
+    (docs/benchmarks-history.md), at the price of a restart reading the checkpoint from the
+    disk."""
     on_save_error: str = "raise"
     """What a failed save does once logged (ckpt.save.failed): "raise" stops training (the
     error reaches the loop at the next save or wait), "continue" goes on training. Either way

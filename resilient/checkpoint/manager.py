@@ -3,52 +3,41 @@
 Knows nothing about signals or supervisors. All cross-rank agreement goes through the process
 group it is given, which must not be the training group: async saves run their collectives
 from a background thread while training runs its own (docs/internals.md#g-async-save-group).
+
+The manager runs each save from capture to commit and picks the checkpoint to load; its parts
+are modules beside it: the save thread and stager (pipeline.py), the two ends of the commit
+(commit.py), loading one checkpoint (loading.py), and listing and deleting checkpoints
+(retention.py).
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from resilient import __version__
-from resilient.checkpoint._dcp_read import (
-    SafeLoadPlanner,
-    VerificationFailed,
-    Verifier,
-    make_reader,
-)
+from resilient.checkpoint._dcp_errors import first_failure, why
 from resilient.checkpoint._dcp_write import make_writer
 from resilient.checkpoint.collectives import Collectives
+from resilient.checkpoint.commit import prepare_dir, write_manifest
 from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
-from resilient.checkpoint.manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    Manifest,
-    parse_step_dir,
-    step_dir,
-)
+from resilient.checkpoint.loading import Loader
+from resilient.checkpoint.manifest import Manifest, read_manifest, step_dir
+from resilient.checkpoint.pipeline import SavePipeline
+from resilient.checkpoint.retention import list_checkpoints, retain_logged
 from resilient.checkpoint.state import TrainState, Unpacked, pack
-from resilient.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    ConfigError,
-)
+from resilient.errors import CheckpointError, ConfigError
 from resilient.log import get_logger
 from resilient.storage import Storage
 
 __all__ = ["CheckpointConfig", "CheckpointInfo", "CheckpointManager"]
-
-_DCP_METADATA = ".metadata"
 
 
 class CheckpointManager:
@@ -77,18 +66,15 @@ class CheckpointManager:
             )
         self.rank = self.collectives.rank
         self.world_size = self.collectives.world_size
-        self._executor: ThreadPoolExecutor | None = None
-        self._stager: DefaultStager | None = None
-        self._staged: Future[Any] | None = None
-        self._pending: Future[int | None] | None = None
-        self._retention: Future[None] | None = None
+        self._saves = SavePipeline()
         self._log = get_logger()
+        self._loader = Loader(self.storage, self.collectives, config, self._log)
         self.last_committed: int | None = None
         # Steps that failed verification in load_latest: a later save of the same step
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
         if config.async_save:
-            self._start_threads()
+            self._saves.start_threads()
 
     # ---------------------------------------------------------------- discovery
     def check_writable(self) -> None:
@@ -97,19 +83,10 @@ class CheckpointManager:
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoint directories under the root, oldest first. Foreign names are ignored."""
-        infos = []
-        for name in self.storage.list_dirs():
-            step = parse_step_dir(name)
-            if step is not None:
-                committed = self.storage.exists(f"{name}/{MANIFEST_NAME}")
-                infos.append(CheckpointInfo(step=step, committed=committed))
-        return sorted(infos, key=lambda i: i.step)
+        return list_checkpoints(self.storage)
 
     def read_manifest(self, step: int) -> Manifest:
-        where = f"{self.storage.url}/{step_dir(step)}/{MANIFEST_NAME}"
-        return Manifest.from_json(
-            self.storage.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"), where=where
-        )
+        return read_manifest(self.storage, step)
 
     def verify(self, step: int, manifest: Manifest) -> builtins.list[str]:
         """This rank's share of the file checks; returns the problems found (empty when valid).
@@ -164,16 +141,9 @@ class CheckpointManager:
         built = time.perf_counter() - t0
         blobs = {k: v for k, v in sd.items() if isinstance(v, Unpacked)}
         tensors = {k: v for k, v in sd.items() if k not in blobs}
-        staged = self._get_stager().stage(tensors)
-        if not isinstance(staged, Future):  # synchronous stager: already a copy
-            done: Future[Any] = Future()
-            done.set_result(staged)
-            staged = done
-        self._staged = staged
+        staged = self._saves.stage(tensors)
         blocked = time.perf_counter() - t0
-        self._pending = self._get_executor().submit(
-            self._async_job, staged, blobs, list(sd), step, t0, blocked, built
-        )
+        self._saves.submit(self._async_job, staged, blobs, list(sd), step, t0, blocked, built)
 
     def _async_job(
         self,
@@ -200,26 +170,16 @@ class CheckpointManager:
 
     def wait_staged(self) -> None:
         """Block until the in-flight async save no longer reads live tensors."""
-        staged = self._staged
-        if staged is not None:
-            staged.result()
-            self._staged = None
+        self._saves.wait_staged()
 
     def wait(self) -> int | None:
         """Wait for the in-flight save and its retention; return its committed step. Raises
         the save's error, if any."""
-        pending, self._pending = self._pending, None
-        self.wait_staged()
-        try:
-            return None if pending is None else pending.result()
-        finally:
-            retention, self._retention = self._retention, None
-            if retention is not None:
-                retention.result()  # never raises: _retain_logged logs instead
+        return self._saves.wait()
 
     @property
     def in_flight(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        return self._saves.in_flight
 
     def _write_and_commit(
         self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float, on_loop: bool
@@ -228,7 +188,10 @@ class CheckpointManager:
         try:
             # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
             with self.storage.budget(self.config.retry.save_budget_s):
-                if self.collectives.agree(lambda: self._prepare_dir(rel)) == "exists":
+                prepared = self.collectives.agree(
+                    lambda: prepare_dir(self.storage, rel, rejected=self._rejected, log=self._log)
+                )
+                if prepared == "exists":
                     self._log.info("ckpt.save.skipped", step=step, reason="already committed")
                     return step
                 writer = make_writer(
@@ -246,11 +209,13 @@ class CheckpointManager:
                 )
                 written = time.perf_counter()
                 entries = self.collectives.gather_all(writer.file_checksums)
-                manifest = self.collectives.agree(lambda: self._commit(step, entries))
+                manifest = self.collectives.agree(
+                    lambda: write_manifest(self.storage, step, self.world_size, entries)
+                )
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped
         # unlogged and uncounted.
         except (Exception, CheckpointException) as e:
-            error = self.storage.redact(_why(e))
+            error = self.storage.redact(why(e))
             self._log.error(
                 "ckpt.save.failed",
                 step=step,
@@ -262,7 +227,7 @@ class CheckpointManager:
                 return None
             if isinstance(e, CheckpointError):
                 raise
-            hint = self.storage.explain(_first_failure(e))
+            hint = self.storage.explain(first_failure(e))
             raise CheckpointError(
                 self.storage.redact(f"saving step {step} to {self.storage.url} failed: {error}")
                 + (f". {hint}" if hint else "")
@@ -279,94 +244,14 @@ class CheckpointManager:
             commit_s=round(done - written, 4),
         )
         if self.rank == 0:
-            if on_loop:  # a blocking save returns at its commit; deleting can wait
-                self._retention = self._get_executor().submit(self._retain_logged, step)
-            else:
-                self._retain_logged(step)
-        return step
-
-    def _prepare_dir(self, rel: str) -> str:
-        if parse_step_dir(rel) in self._rejected:
-            self._log.warning("ckpt.save.replace_invalid", dir=rel)
-            self._delete(rel)
-        else:
-            present = self.storage.list_sizes(rel, missing_ok=True)  # one request on S3
-            if MANIFEST_NAME in present:
-                return "exists"
-            if present:  # a torn save of this step from an earlier attempt
-                self._log.warning("ckpt.save.clear_torn", dir=rel)
-                self.storage.remove_tree(rel)
-        self.storage.makedirs(rel)
-        return "fresh"
-
-    def _commit(self, step: int, entries: builtins.list[dict[str, tuple[int, int]]]) -> Manifest:
-        rel = step_dir(step)
-        files: dict[str, FileEntry] = {}
-        for per_rank in entries:
-            for name, (crc, size) in per_rank.items():
-                if name.endswith(".tmp"):  # DCP writes .metadata.tmp, then renames it
-                    continue
-                files[name] = FileEntry(size=size, checksum=crc)
-        stored = self.storage.list_sizes(rel)  # one listing, not a request per file
-        crc, size = self.storage.checksum(f"{rel}/{_DCP_METADATA}", size=stored.get(_DCP_METADATA))
-        files[_DCP_METADATA] = FileEntry(size=size, checksum=crc)
-        for name, entry in files.items():  # what storage holds is what we hashed
-            found = stored.get(name)
-            if found != entry.size:
-                raise CheckpointError(
-                    f"{rel}/{name} holds {found} bytes after the write, expected {entry.size}"
-                )
-        manifest = Manifest(
-            step=step,
-            world_size=self.world_size,
-            files=files,
-            torch_version=torch.__version__,
-            resilient_version=__version__,
-        )
-        self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
-        return manifest
-
-    def _retain_logged(self, just_committed: int) -> None:
-        """_retain; a failure is logged, never raised: the checkpoint is committed, and what
-        was not deleted is deleted next time."""
-        try:
-            self._retain(just_committed)
-        except Exception as e:  # storage errors, and an unreadable listing alike
-            self._log.warning(
-                "ckpt.retention.failed", step=just_committed, error=self.storage.redact(str(e))
+            retain = functools.partial(
+                retain_logged, self.storage, self.config.keep_last, step, self._log
             )
-
-    def _retain(self, just_committed: int) -> None:
-        """Delete committed checkpoints beyond keep_last and torn saves older than the newest.
-
-        The checkpoint just written is always kept: newer committed ones may exist that failed
-        verification (a run resumed from an older checkpoint), and they must not push out the
-        newest one known to be valid.
-        """
-        infos = self.list()
-        committed = [i.step for i in infos if i.committed]
-        if not committed:
-            return
-        keep = set(committed[-self.config.keep_last :]) | {just_committed}
-        newest = committed[-1]
-        for info in infos:
-            if info.step in keep:
-                continue
-            if info.committed:
-                reason = f"beyond keep_last={self.config.keep_last}"
-            elif info.step < newest:
-                reason = "unfinished save older than the newest checkpoint"
+            if on_loop:  # a blocking save returns at its commit; deleting can wait
+                self._saves.submit_retention(retain)
             else:
-                continue  # may be a save in flight elsewhere: never touched
-            self._delete(step_dir(info.step))
-            self._log.info("ckpt.retention.delete", step=info.step, reason=reason)
-
-    def _delete(self, rel: str) -> None:
-        """Delete checkpoint directory `rel`, its manifest first: a deletion cut short (a
-        kill, a storage error) leaves an unfinished save, which loads skip and retention
-        finishes later, never a committed checkpoint with files missing."""
-        self.storage.remove_file(f"{rel}/{MANIFEST_NAME}")
-        self.storage.remove_tree(rel)
+                retain()
+        return step
 
     # ---------------------------------------------------------------- load
     def load_latest(self, state: TrainState) -> int | None:
@@ -406,38 +291,8 @@ class CheckpointManager:
         `started` (a perf_counter time) is where ckpt.load's `seconds` count from.
         """
         t0 = time.perf_counter() if started is None else started
-        try:
-            manifest = self.collectives.agree(lambda: self.read_manifest(step))
-        except CheckpointCorruptError as e:
-            self._log.error("ckpt.fallback", step=step, reason=str(e))
-            self._rejected.add(step)
-            return False
-        problems: builtins.list[str] = []
-        error: str | None = None
-        try:
-            self._load(state, step, manifest)
-        except (CheckpointMismatchError, ConfigError):
-            raise
-        except VerificationFailed as e:
-            problems = e.problems
-        except (Exception, CheckpointException) as e:
-            found = _verification_problems(e)
-            if found:
-                problems = found
-            else:
-                error = self.storage.redact(f"rank {self.rank}: {_why(e)}")
-        # all ranks must land on the same checkpoint, even if only one failed to load it
-        outcomes = self.collectives.gather_all((problems, error))
-        problems = sorted({p for ps, _ in outcomes for p in ps})
-        errors = [err for _, err in outcomes if err]
-        if problems:
-            self._log.error(
-                "ckpt.fallback", step=step, reason="verification failed", problems=problems
-            )
-            self._rejected.add(step)
-            return False
-        if errors:
-            self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
+        manifest = self._loader.try_load(state, step)
+        if manifest is None:
             self._rejected.add(step)
             return False
         self.last_committed = step
@@ -451,165 +306,7 @@ class CheckpointManager:
         )
         return True
 
-    def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
-        verifier = Verifier(
-            storage=self.storage,
-            rel=step_dir(step),
-            manifest=manifest,
-            rank=self.rank,
-            world_size=self.world_size,
-            gather=self.collectives.gather_all,
-            buffer_bytes=self.config.verify_buffer_mib << 20,
-        )
-        reader = make_reader(self.storage, step_dir(step), verifier=verifier)
-        # Every rank checks .metadata before unpickling it; all agree before going on.
-        problems: builtins.list[str] = []
-        failed: Exception | None = None
-        try:
-            md = reader.read_metadata()
-        except VerificationFailed as e:
-            problems = e.problems
-        except Exception as e:  # refused by the restricted unpickler, unreadable, ...
-            failed = e
-        mine = None if failed is None else self.storage.redact(f"rank {self.rank}: {_why(failed)}")
-        outcomes = self.collectives.gather_all((problems, mine))
-        problems = sorted({p for ps, _ in outcomes for p in ps})
-        if problems:
-            raise VerificationFailed(problems)
-        if failed is not None:
-            raise failed
-        others = [err for _, err in outcomes if err]
-        if others:
-            raise CheckpointError("; ".join(others))
-        saved = md.state_dict_metadata
-        self._check_fits(state, saved, step)
-        same_world = manifest.world_size == self.world_size
-        if not same_world:
-            self._log.warning(
-                "ckpt.load.reshard",
-                step=step,
-                saved_world_size=manifest.world_size,
-                world_size=self.world_size,
-                note="per-rank state (RNG, dataloader position) is not restored",
-            )
-        template = state.load_template(
-            rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved
-        )
-        try:
-            dcp.load(
-                template,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-                process_group=self._pg,
-                no_dist=not self._distributed,
-            )
-        finally:
-            verifier.drop_ahead()  # a load that failed before its check
-        state.apply(template, rank=self.rank)
-
-    def _check_fits(self, state: TrainState, saved: dict[str, Any], step: int) -> None:
-        if state.model is None:
-            return
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        want = {
-            k: tuple(v.shape)
-            for k, v in get_model_state_dict(state.model).items()
-            if isinstance(v, torch.Tensor)
-        }
-        have = {
-            k[len("model.") :]: tuple(getattr(v, "size", ()))
-            for k, v in saved.items()
-            if k.startswith("model.")
-        }
-        missing = sorted(set(want) - set(have))
-        unexpected = sorted(set(have) - set(want))
-        shapes = sorted(
-            f"{k}: checkpoint {have[k]} vs model {want[k]}"
-            for k in set(want) & set(have)
-            if have[k] != want[k]
-        )
-        if missing or unexpected or shapes:
-            raise CheckpointMismatchError(
-                f"checkpoint {self.storage.url}/{step_dir(step)} does not match the tracked model: "
-                f"missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}, "
-                f"unexpected keys {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}"
-                + (f", shape mismatches {shapes[:10]}" if shapes else "")
-                + ". Point the checkpoint location at this model's checkpoints, or use a new one."
-            )
-
     # ---------------------------------------------------------------- lifecycle
-    def _get_executor(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt")
-        return self._executor
-
-    def _start_threads(self) -> None:
-        """Start the save's and the stager's threads now: started by the first save, each
-        took the GIL from the loop for up to a switch interval (5 ms) while starting."""
-        self._get_executor().submit(lambda: None).result()
-        started = self._get_stager().stage({})
-        if isinstance(started, Future):
-            started.result()
-
-    def _get_stager(self) -> DefaultStager:
-        if self._stager is None:
-            # Background staging works on CPU and GPU; pinned memory and non-blocking copies
-            # need an accelerator, so they are on only where CUDA is.
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=cuda,
-                )
-            )
-        return self._stager
-
     def close(self) -> None:
         """Wait for the in-flight save and release threads and staging buffers."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
-
-
-def _first_failure(e: BaseException) -> BaseException:
-    """The first rank's exception inside DCP's CheckpointException, else `e` itself."""
-    failures = getattr(e, "failures", None)
-    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
-        first = failures[min(failures)]
-        exc = first[0] if isinstance(first, tuple) else first
-        if isinstance(exc, BaseException):
-            return exc
-    return e
-
-
-def _verification_problems(e: BaseException) -> builtins.list[str]:
-    """The problems of a VerificationFailed raised inside dcp.load (in its CheckpointException)."""
-    failures = getattr(e, "failures", None)
-    found: builtins.list[str] = []
-    if isinstance(e, CheckpointException) and isinstance(failures, dict):
-        for failure in failures.values():
-            exc = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(exc, VerificationFailed):
-                found += exc.problems
-    return found
-
-
-def _why(e: BaseException) -> str:
-    """One line per failing rank for DCP's CheckpointException (its str is full tracebacks)."""
-    failures = getattr(e, "failures", None)
-    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
-        parts = []
-        for rank, failure in sorted(failures.items()):
-            exc = failure[0] if isinstance(failure, tuple) else failure
-            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-        return "; ".join(parts)
-    return f"{type(e).__name__}: {e}"
+        self._saves.close()

@@ -15,12 +15,23 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from resilient.checksum import ALGORITHMS, DEFAULT
 from resilient.errors import CheckpointCorruptError
+from resilient.storage.checksum import ALGORITHMS, DEFAULT
 
-__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "FileEntry", "Manifest", "parse_step_dir", "step_dir"]
+if TYPE_CHECKING:
+    from resilient.storage import Storage
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "FileEntry",
+    "Manifest",
+    "parse_step_dir",
+    "read_manifest",
+    "step_dir",
+]
 
 FORMAT_VERSION = 2
 _READABLE = (1, 2)
@@ -57,7 +68,7 @@ class Manifest:
     user: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     checksum: str = DEFAULT
-    """The algorithm of every FileEntry.checksum (resilient.checksum.ALGORITHMS)."""
+    """The algorithm of every FileEntry.checksum (resilient.storage.checksum.ALGORITHMS)."""
 
     @property
     def total_bytes(self) -> int:
@@ -111,3 +122,10 @@ class Manifest:
             raise CheckpointCorruptError(
                 f"{where}: unreadable manifest ({type(e).__name__}: {e})"
             ) from e
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The manifest of checkpoint `step` under `storage`; CheckpointCorruptError when it is
+    unreadable."""
+    where = f"{storage.url}/{step_dir(step)}/{MANIFEST_NAME}"
+    return Manifest.from_json(storage.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"), where=where)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from resilient.checkpoint.collectives import Collectives
-    from resilient.checkpoint.manager import CheckpointConfig, CheckpointInfo
+    from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
     from resilient.checkpoint.manifest import Manifest
     from resilient.checkpoint.state import TrainState
 

@@ -28,7 +28,8 @@ import time
 import uuid
 from typing import Any
 
-from resilient.checkpoint.manager import CheckpointConfig, CheckpointInfo, CheckpointManager
+from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
+from resilient.checkpoint.manager import CheckpointManager
 from resilient.checkpoint.manifest import Manifest
 from resilient.checkpoint.protocol import CheckpointStore
 from resilient.checkpoint.state import TrainState

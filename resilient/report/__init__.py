@@ -1,21 +1,24 @@
 """What a run's event logs say about it (`resilient report`).
 
-- `analysis`: goodput, faults, each recovery (hot rollback, hot replacement, OOM retry or
-  cold restart) and the Young/Daly optimum, from the logs alone;
+- `goodput`: `analyze`, goodput and save cost, from the logs alone (`logs`: reading them back);
+- `recovery`: each recovery (hot rollback, hot replacement, OOM retry or cold restart) and
+  its fault;
+- `optimum`: the Young/Daly optimum;
+- `results`: what `analyze` returns;
 - `text`: the report as text;
 - `timeline`: the timeline as a PNG (matplotlib, the "report" extra).
 """
 
-from resilient.report.analysis import (
+from resilient.report.goodput import analyze
+from resilient.report.logs import load_events
+from resilient.report.optimum import young_daly
+from resilient.report.results import (
     COLD,
     HOT_REPLACEMENT,
     HOT_ROLLBACK,
     RETRY,
     FaultReport,
     RunReport,
-    analyze,
-    load_events,
-    young_daly,
 )
 from resilient.report.text import format_report
 from resilient.report.timeline import plot_timeline

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resilient.report.analysis import RunReport
+from resilient.report.results import RunReport
 
 __all__ = ["format_report"]
 

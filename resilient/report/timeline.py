@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from resilient import events as ev
-from resilient.report.analysis import load_events
+from resilient.report.logs import load_events
 
 __all__ = ["plot_timeline"]
 

@@ -1,7 +1,7 @@
-"""The in-worker runtime: process groups, the tracked state and the checkpointed step loop."""
+"""The in-worker runtime, the composition root: `resilient.init()` builds a Runtime that wires
+process groups, the watchdog, the guard, snapshots, hot recovery and checkpoints together."""
 
-from resilient.exitcodes import ExitCode
-from resilient.runtime.runtime import Runtime, RuntimeConfig, current, init
-from resilient.runtime.watchdog_config import WatchdogConfig
+from resilient.runtime.config import RuntimeConfig
+from resilient.runtime.runtime import Runtime, current, init
 
-__all__ = ["ExitCode", "Runtime", "RuntimeConfig", "WatchdogConfig", "current", "init"]
+__all__ = ["Runtime", "RuntimeConfig", "current", "init"]

@@ -19,22 +19,22 @@ import torch.distributed as dist
 
 from resilient import events as ev
 from resilient.checkpoint import TrainState, state_digest
+from resilient.data.batches import ResumableBatches
+from resilient.dist.groups import DistContext
 from resilient.envvars import ENV_FINAL_DIGEST, ENV_STOP_AT
 from resilient.errors import ConfigError
-from resilient.runtime import hot
-from resilient.runtime.batches import ResumableBatches
-from resilient.runtime.dist import DistContext
-from resilient.runtime.fingerprint import StepFingerprints
-from resilient.runtime.guard import Guard
-from resilient.runtime.heartbeat import Phase
-from resilient.runtime.preempt import PreemptionWatch
+from resilient.guard.guard import Guard
+from resilient.hang.phases import Phase
+from resilient.hang.watchdog import Watchdog
+from resilient.hot.recovery import HotRecovery
+from resilient.memory.snapshot import Snapshots, StepCounter
+from resilient.preempt.watch import PreemptionWatch
+from resilient.replay.fingerprint import StepFingerprints
 from resilient.runtime.progress import ProgressLog
-from resilient.runtime.snapshot import Snapshots, StepCounter
-from resilient.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from resilient.checkpoint import CheckpointStore
-    from resilient.runtime.runtime import RuntimeConfig
+    from resilient.runtime.config import RuntimeConfig
 
 __all__ = ["Loops"]
 
@@ -54,6 +54,7 @@ class Loops:
     preemption: PreemptionWatch
     snapshots: Snapshots
     guards: Guard
+    hot: HotRecovery | None
     step: int
     _batches: ResumableBatches | None
     _progress: ProgressLog
@@ -68,9 +69,7 @@ class Loops:
         self._every_steps = self.config.save_every_steps
         self._every_seconds = self.config.save_every_seconds
         self._epoch_loop: _EpochLoop | None = None
-        self._mark_stepped = (
-            hot.enabled() and hot.generation() > 0 and self.ctx.distributed and self.ctx.rank == 0
-        )
+        self._mark_stepped = self.hot is not None and self.hot.rejoining and self.ctx.rank == 0
         """Rank 0 of a hot generation: tell the agent when the first step closed."""
 
     if TYPE_CHECKING:  # Runtime's
@@ -202,7 +201,7 @@ class Loops:
 
     # the pieces both loops share
     def _enter_loop(self) -> int:
-        # preemption signals are ours only while the loop can act on them (runtime/preempt.py)
+        # preemption signals are ours only while the loop can act on them (preempt/watch.py)
         self.preemption.install()
         try:
             return self.resume()
@@ -229,9 +228,10 @@ class Loops:
             self.save()
         if self.guards.rollback is not None:  # off in epochs(): a copy nothing could use
             self.snapshots.after_step(self.step, force=saved)
-        if self._mark_stepped:  # the agent starts its next spare then (supervisor/agent.py)
+        if self._mark_stepped:  # the agent starts its next spare then (supervisor/hot.py)
             self._mark_stepped = False
-            hot.mark_stepped(self.ctx.base_store)
+            assert self.hot is not None
+            self.hot.mark_stepped()
 
     def _finish_loop(self, start: int) -> None:
         if self.step > start or self._open is not None:

@@ -4,21 +4,34 @@ Storage (resilient.storage.core) does everything through fsspec and its retry po
 requests that differ per system go through its Backend:
 - `FsspecBackend`: any fsspec filesystem, local directories included (generic calls, whole
   file uploads in one call);
-- `resilient._s3.S3Backend`: s3:// through s3fs (single HEAD and CopyObject requests,
+- `resilient.storage.s3.S3Backend`: s3:// through s3fs (single HEAD and CopyObject requests,
   multipart uploads, retry loops below ours reduced to one attempt, error hints).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
-from resilient import _s3
-from resilient._transfer import PartSink
+from resilient.storage import s3
+from resilient.storage.transfer import PartSink
 
-if TYPE_CHECKING:
-    from resilient.storage.core import Storage
+__all__ = ["Backend", "FsspecBackend", "Storage", "backend_for"]
 
-__all__ = ["Backend", "FsspecBackend", "backend_for"]
+T = TypeVar("T")
+
+
+class Storage(Protocol):
+    """What a backend uses of the Storage that calls it (storage/core.py): kept to a protocol
+    so that backends need not import the storage they serve."""
+
+    url: str
+    fs: Any
+
+    def path(self, *parts: str) -> str: ...
+
+    def call(self, what: str, fn: Callable[[], T]) -> T: ...
+
 
 # Object stores have no directories: makedirs would create a bucket (s3fs, gcsfs) or nothing.
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci"}
@@ -43,7 +56,7 @@ class Backend(Protocol):
         """Copy file `src` to `dst` (absolute paths) inside the filesystem."""
 
     def sink(self, storage: Storage, rel: str) -> PartSink:
-        """The requests that upload file `rel` (resilient._transfer.UploadStream uses them)."""
+        """The requests that upload file `rel` (storage/transfer.py's UploadStream uses them)."""
 
     def explain(self, storage: Storage, exc: BaseException) -> str | None:
         """How to fix the configuration problem behind `exc`; None when not recognised."""
@@ -74,7 +87,7 @@ class FsspecBackend:
         pass
 
     def secrets(self, options: dict[str, Any]) -> list[str]:
-        return _s3.secrets_of(options)  # the usual option names, whatever the system
+        return s3.secrets_of(options)  # the usual option names, whatever the system
 
     def is_file(self, storage: Storage, path: str) -> bool:
         return bool(storage.fs.isfile(path))
@@ -119,6 +132,6 @@ class _PipeSink:
 def backend_for(url: str) -> Backend:
     """The backend of a location URL (a plain path is a local directory)."""
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol in _s3.PROTOCOLS:
-        return _s3.S3Backend()
+    if protocol in s3.PROTOCOLS:
+        return s3.S3Backend()
     return FsspecBackend()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 
-from resilient import _s3
+from resilient.storage import s3
 
 __all__ = ["is_retryable"]
 
@@ -57,10 +57,10 @@ def is_retryable(exc: BaseException) -> bool:
 
     Never for missing things (NoSuchBucket, 404), refused credentials or permissions (403).
     """
-    code, status = _s3.error_code(exc)
+    code, status = s3.error_code(exc)
     if code is not None or status is not None:
         return code in _RETRYABLE_CODES or status in _RETRYABLE_STATUS
-    if _s3.is_connection_error(exc):
+    if s3.is_connection_error(exc):
         return True
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True

@@ -4,11 +4,12 @@ A local directory by default, s3:// through s3fs. Knows nothing about torch. Eve
 touches storage goes through `RetryPolicy` (resilient.storage.retry), so transient errors are
 retried with backoff inside a bounded time budget and permanent ones fail at once. What
 differs per system goes through its Backend (resilient.storage.backends); for S3 the retry
-loops of botocore and s3fs are reduced to a single attempt (resilient/_s3.py), so this policy
+loops of botocore and s3fs are reduced to a single attempt (resilient/storage/s3.py), so this policy
 is the only one and its budget holds.
 
-Remote files are written and read in parts (resilient/_transfer.py): each part is one retried
-call, several run at a time, and a file appears only once its upload completes.
+Remote files are written and read in parts (resilient/storage/transfer.py): each part is one retried
+call, several run at a time, and a file appears only once its upload completes. Local files
+are written durably and read as memory maps (resilient/storage/local.py).
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ import os
 import posixpath
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
 
-from resilient import _s3
-from resilient._transfer import BlockReader, UploadStream
-from resilient.checksum import DEFAULT, checksum_of, updater
 from resilient.errors import ConfigError, StorageError
+from resilient.storage import s3
 from resilient.storage.backends import backend_for, is_local, is_object_store
+from resilient.storage.checksum import DEFAULT, checksum_of, updater
+from resilient.storage.local import map_file, write_atomic
 from resilient.storage.redact import hide_userinfo, redact
 from resilient.storage.retry import RetryPolicy
+from resilient.storage.transfer import BlockReader, UploadStream, read_whole
 
-__all__ = ["Buffer", "Storage", "fsync_dir"]
+__all__ = ["Buffer", "Storage"]
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | mmap.mmap
@@ -41,7 +42,7 @@ Buffer = bytes | bytearray | mmap.mmap
 _PART = 16 << 20
 """Part size of uploads and block size of reads unless storage_options set
 `default_block_size` (s3fs's own default, 50 MiB, holds 500 MiB per file in flight and starts
-uploading late; 16 MiB measured as fast, see docs/benchmarks.md)."""
+uploading late; 16 MiB measured as fast, see docs/benchmarks-history.md)."""
 
 
 class Storage:
@@ -137,7 +138,7 @@ class Storage:
             try:
                 entries = self.fs.ls(self.root, detail=True)
             except FileNotFoundError as e:
-                if _s3.error_code(e)[0] == "NoSuchBucket":  # an absent prefix is fine
+                if s3.error_code(e)[0] == "NoSuchBucket":  # an absent prefix is fine
                     raise self.error(e, "cannot be listed") from e
                 return []
             return [
@@ -243,55 +244,18 @@ class Storage:
         fewer bytes than `size` (changed or truncated while being read)."""
         update = updater(algorithm)
         if self.is_local:
-
-            def run() -> Buffer:
-                with open(self.path(rel), "rb") as f:
-                    found = os.fstat(f.fileno()).st_size
-                    if found != size:
-                        raise OSError(f"{self.url_of(rel)}: holds {found} bytes, expected {size}")
-                    if size == 0:
-                        return b""
-                    # A file truncated by someone else while mapped would fault (SIGBUS) on
-                    # access: checkpoint files are never rewritten in place once committed,
-                    # and the size was checked just now.
-                    mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-                    # Read ahead aggressively: the checksum walks the map front to back, and
-                    # with the default window each fault waits on a small synchronous read.
-                    mapped.madvise(mmap.MADV_SEQUENTIAL)
-                    return mapped
-
-            data = self.call(f"read {rel}", run)
-            return data, update(data, 0)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        path = self.path(rel)
-        spans = [(s, min(size, s + self.part_size)) for s in range(0, size, self.part_size)]
-
-        def part(start: int, end: int) -> None:
             data = self.call(
-                f"read {rel} [{start}:{end}]",
-                lambda: self.fs.cat_file(path, start=start, end=end),
+                f"read {rel}", lambda: map_file(self.path(rel), size, self.url_of(rel))
             )
-            if len(data) != end - start:
-                raise OSError(
-                    f"{self.url_of(rel)}: read {len(data)} bytes at offset {start}, expected "
-                    f"{end - start} (the object changed or was truncated while being read)"
-                )
-            view[start:end] = data
-
-        value = 0
-        with ThreadPoolExecutor(
-            max_workers=self.concurrency, thread_name_prefix="resilient-read"
-        ) as pool:
-            futures = [pool.submit(part, s, e) for s, e in spans]
-            try:
-                for (s, e), fut in zip(spans, futures, strict=True):
-                    fut.result()
-                    value = update(view[s:e], value)
-            finally:
-                for fut in futures:
-                    fut.cancel()
-        return buf, value
+            return data, update(data, 0)
+        return read_whole(
+            self._ranges(rel),
+            size,
+            part_size=self.part_size,
+            concurrency=self.concurrency,
+            name=self.url_of(rel),
+            update=update,
+        )
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Make `data` visible at `rel` at once: tmp+fsync+rename locally, one PUT remotely."""
@@ -300,20 +264,7 @@ class Storage:
             self.call(f"put {rel}", lambda: self.fs.pipe_file(target, data))
             return
 
-        def run() -> None:
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            fsync_dir(os.path.dirname(target))
-
-        self.call(f"write {rel}", run)
+        self.call(f"write {rel}", lambda: write_atomic(target, data))
 
     def open_write(self, rel: str) -> UploadStream:
         """A stream that uploads file `rel` in parts; it appears at `close()`, never before.
@@ -329,9 +280,20 @@ class Storage:
 
     def open_read(self, rel: str, *, size: int | None = None) -> io.BufferedReader:
         """A seekable reader of remote file `rel`: ranged reads in blocks, each retried."""
-        path = self.path(rel)
         if size is None:
             size = self.size(rel)
+        raw = BlockReader(
+            self._ranges(rel),
+            size,
+            block_size=self.part_size,
+            concurrency=self.concurrency,
+            name=self.url_of(rel),
+        )
+        return io.BufferedReader(raw, buffer_size=1 << 20)
+
+    def _ranges(self, rel: str) -> Callable[[int, int], bytes]:
+        """`fetch(start, end)` of remote file `rel`: one ranged read, retried."""
+        path = self.path(rel)
 
         def fetch(start: int, end: int) -> bytes:
             return self.call(
@@ -339,14 +301,7 @@ class Storage:
                 lambda: self.fs.cat_file(path, start=start, end=end),
             )
 
-        raw = BlockReader(
-            fetch,
-            size,
-            block_size=self.part_size,
-            concurrency=self.concurrency,
-            name=self.url_of(rel),
-        )
-        return io.BufferedReader(raw, buffer_size=1 << 20)
+        return fetch
 
     # ------------------------------------------------------------------ start-up check
     def check_writable(self) -> None:
@@ -378,12 +333,3 @@ class Storage:
         """How to fix the configuration problem behind `exc` (a missing bucket, refused
         credentials, an unreachable endpoint, ...); None when it is not one we recognise."""
         return self.backend.explain(self, exc)
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so a rename inside it survives a power loss."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -66,7 +66,7 @@ class SupervisorConfig:
     """Backoff between restarts and the crash-loop limit."""
     hot_max: int = 0
     """Hot recoveries of a lost worker per attempt (`--hot-recovery`); 0: off, every failure
-    restarts the group (resilient/runtime/hot.py)."""
+    restarts the group (resilient/hot/recovery.py)."""
 
     def __post_init__(self) -> None:
         if not self.grace_s > 0:

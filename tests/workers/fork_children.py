@@ -18,10 +18,10 @@ import threading
 import time
 
 from resilient import log
-from resilient.runtime.dist import DistContext
-from resilient.runtime.preempt import PreemptConfig, PreemptionWatch
-from resilient.runtime.watchdog import Watchdog
-from resilient.runtime.watchdog_config import WatchdogConfig
+from resilient.dist.groups import DistContext
+from resilient.hang.config import WatchdogConfig
+from resilient.hang.watchdog import Watchdog
+from resilient.preempt.watch import PreemptConfig, PreemptionWatch
 
 
 def wait_child(pid: int, timeout: float) -> int | None:

@@ -1,0 +1,176 @@
+"""Loading one checkpoint: check it against its manifest and the tracked model, then load it.
+
+CheckpointManager decides which checkpoints to try, newest first, and records what came of
+each; a Loader tries one. Every rank checks its share of the files from the bytes it loads
+(resilient/checkpoint/_dcp_read.py), and all ranks land on the same outcome: a checkpoint that
+fails on one rank is given up on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from resilient.checkpoint._dcp_errors import verification_problems, why
+from resilient.checkpoint._dcp_read import (
+    SafeLoadPlanner,
+    VerificationFailed,
+    Verifier,
+    make_reader,
+)
+from resilient.checkpoint.collectives import Collectives
+from resilient.checkpoint.config import CheckpointConfig
+from resilient.checkpoint.manifest import Manifest, read_manifest, step_dir
+from resilient.checkpoint.state import TrainState
+from resilient.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+)
+from resilient.storage import Storage
+
+__all__ = ["Loader"]
+
+
+class Loader:
+    """Loads checkpoints of `storage` over the process group of `collectives`."""
+
+    def __init__(
+        self, storage: Storage, collectives: Collectives, config: CheckpointConfig, log: Any
+    ) -> None:
+        self.storage = storage
+        self.collectives = collectives
+        self.config = config
+        self.rank = collectives.rank
+        self.world_size = collectives.world_size
+        self._log = log
+
+    def try_load(self, state: TrainState, step: int) -> Manifest | None:
+        """Verify checkpoint `step` against its manifest and load it into `state`; its manifest.
+
+        None, logged as ckpt.fallback, when it fails verification or loading on any rank (all
+        ranks agree). Raises CheckpointMismatchError when it does not fit the tracked state.
+        """
+        try:
+            manifest = self.collectives.agree(lambda: read_manifest(self.storage, step))
+        except CheckpointCorruptError as e:
+            self._log.error("ckpt.fallback", step=step, reason=str(e))
+            return None
+        problems: list[str] = []
+        error: str | None = None
+        try:
+            self._load(state, step, manifest)
+        except (CheckpointMismatchError, ConfigError):
+            raise
+        except VerificationFailed as e:
+            problems = e.problems
+        except (Exception, CheckpointException) as e:
+            found = verification_problems(e)
+            if found:
+                problems = found
+            else:
+                error = self.storage.redact(f"rank {self.rank}: {why(e)}")
+        # all ranks must land on the same checkpoint, even if only one failed to load it
+        outcomes = self.collectives.gather_all((problems, error))
+        problems = sorted({p for ps, _ in outcomes for p in ps})
+        errors = [err for _, err in outcomes if err]
+        if problems:
+            self._log.error(
+                "ckpt.fallback", step=step, reason="verification failed", problems=problems
+            )
+            return None
+        if errors:
+            self._log.error("ckpt.fallback", step=step, reason="; ".join(errors))
+            return None
+        return manifest
+
+    def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
+        verifier = Verifier(
+            storage=self.storage,
+            rel=step_dir(step),
+            manifest=manifest,
+            rank=self.rank,
+            world_size=self.world_size,
+            gather=self.collectives.gather_all,
+            buffer_bytes=self.config.verify_buffer_mib << 20,
+        )
+        reader = make_reader(self.storage, step_dir(step), verifier=verifier)
+        # Every rank checks .metadata before unpickling it; all agree before going on.
+        problems: list[str] = []
+        failed: Exception | None = None
+        try:
+            md = reader.read_metadata()
+        except VerificationFailed as e:
+            problems = e.problems
+        except Exception as e:  # refused by the restricted unpickler, unreadable, ...
+            failed = e
+        mine = None if failed is None else self.storage.redact(f"rank {self.rank}: {why(failed)}")
+        outcomes = self.collectives.gather_all((problems, mine))
+        problems = sorted({p for ps, _ in outcomes for p in ps})
+        if problems:
+            raise VerificationFailed(problems)
+        if failed is not None:
+            raise failed
+        others = [err for _, err in outcomes if err]
+        if others:
+            raise CheckpointError("; ".join(others))
+        saved = md.state_dict_metadata
+        self._check_fits(state, saved, step)
+        same_world = manifest.world_size == self.world_size
+        if not same_world:
+            self._log.warning(
+                "ckpt.load.reshard",
+                step=step,
+                saved_world_size=manifest.world_size,
+                world_size=self.world_size,
+                note="per-rank state (RNG, dataloader position) is not restored",
+            )
+        template = state.load_template(
+            rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved
+        )
+        try:
+            dcp.load(
+                template,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=self.collectives.group,
+                no_dist=not self.collectives.distributed,
+            )
+        finally:
+            verifier.drop_ahead()  # a load that failed before its check
+        state.apply(template, rank=self.rank)
+
+    def _check_fits(self, state: TrainState, saved: dict[str, Any], step: int) -> None:
+        if state.model is None:
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        want = {
+            k: tuple(v.shape)
+            for k, v in get_model_state_dict(state.model).items()
+            if isinstance(v, torch.Tensor)
+        }
+        have = {
+            k[len("model.") :]: tuple(getattr(v, "size", ()))
+            for k, v in saved.items()
+            if k.startswith("model.")
+        }
+        missing = sorted(set(want) - set(have))
+        unexpected = sorted(set(have) - set(want))
+        shapes = sorted(
+            f"{k}: checkpoint {have[k]} vs model {want[k]}"
+            for k in set(want) & set(have)
+            if have[k] != want[k]
+        )
+        if missing or unexpected or shapes:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.storage.url}/{step_dir(step)} does not match the tracked model: "
+                f"missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}, "
+                f"unexpected keys {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}"
+                + (f", shape mismatches {shapes[:10]}" if shapes else "")
+                + ". Point the checkpoint location at this model's checkpoints, or use a new one."
+            )

@@ -1,0 +1,111 @@
+"""What runs beside training for CheckpointManager: its save thread, DCP's stager, and the
+futures of the save in flight.
+
+An async save copies the tensors through the stager (pinned memory and non-blocking copies
+where CUDA is), then writes and commits on the save thread; a blocking save's retention runs
+on that thread too. Every later call (`wait`, the next save, a load, `close`) first waits
+here, so at most one save and its retention are ever in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+__all__ = ["SavePipeline"]
+
+
+class SavePipeline:
+    """One save thread and one stager, both created on first use, and what they run."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
+        self._staged: Future[Any] | None = None
+        self._pending: Future[int | None] | None = None
+        self._retention: Future[None] | None = None
+
+    def start_threads(self) -> None:
+        """Start the save's and the stager's threads now: started by the first save, each
+        took the GIL from the loop for up to a switch interval (5 ms) while starting."""
+        self._get_executor().submit(lambda: None).result()
+        started = self._get_stager().stage({})
+        if isinstance(started, Future):
+            started.result()
+
+    def stage(self, tensors: dict[str, Any]) -> Future[Any]:
+        """Start copying `tensors` away from the live ones; the copies, once done."""
+        staged = self._get_stager().stage(tensors)
+        if not isinstance(staged, Future):  # synchronous stager: already a copy
+            done: Future[Any] = Future()
+            done.set_result(staged)
+            staged = done
+        self._staged = staged
+        return staged
+
+    def submit(self, job: Callable[..., int | None], *args: Any) -> None:
+        """Run the save `job(*args)` (its committed step, or None) on the save thread."""
+        self._pending = self._get_executor().submit(job, *args)
+
+    def submit_retention(self, job: Callable[[], None]) -> None:
+        """Run a blocking save's retention on the save thread; `job` must not raise."""
+        self._retention = self._get_executor().submit(job)
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight async save no longer reads live tensors."""
+        staged = self._staged
+        if staged is not None:
+            staged.result()
+            self._staged = None
+
+    def wait(self) -> int | None:
+        """Wait for the in-flight save and its retention; return its committed step. Raises
+        the save's error, if any."""
+        pending, self._pending = self._pending, None
+        self.wait_staged()
+        try:
+            return None if pending is None else pending.result()
+        finally:
+            retention, self._retention = self._retention, None
+            if retention is not None:
+                retention.result()  # never raises: retention.retain_logged logs instead
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def close(self) -> None:
+        """Wait for the in-flight save and release threads and staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt")
+        return self._executor
+
+    def _get_stager(self) -> DefaultStager:
+        if self._stager is None:
+            # Background staging works on CPU and GPU; pinned memory and non-blocking copies
+            # need an accelerator, so they are on only where CUDA is.
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager

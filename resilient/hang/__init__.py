@@ -1,0 +1,1 @@
+"""Hang detection: phases, heartbeats, the verdict protocol and the watchdog thread."""

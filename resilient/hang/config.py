@@ -1,0 +1,176 @@
+"""`WatchdogConfig`: the public settings of hang detection, heartbeats, the monitored
+barrier and the OOM guard's floor, with their checks and the environment override."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from resilient.envvars import DEFAULT_HEARTBEAT_TIMEOUT_S, ENV_WATCHDOG, json_object_env
+from resilient.errors import ConfigError
+from resilient.hang.phases import Phase
+
+__all__ = ["ENV_WATCHDOG", "WatchdogConfig"]
+
+"""JSON object of WatchdogConfig fields that override the defaults (not values passed to
+`resilient.init(watchdog=...)`), e.g. '{"timeout_s": 60}'; "0" or "off" disables the watchdog."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WatchdogConfig:
+    """Hang detection, heartbeats, the monitored barrier and the OOM guard's floor."""
+
+    enabled: bool = True
+    """Run heartbeats and the monitor. Off: no thread, no barrier, guards still agree."""
+    heartbeat_interval_s: float = 1.0
+    """Each rank publishes a heartbeat and checks for a verdict this often; it is also the
+    monitor's period, so detection takes at most the timeout plus this long."""
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    """No heartbeat for this long: the rank's process is dead or stopped."""
+    timeout_s: float = 300.0
+    """Progress timeout of the training phases (data, forward, backward, optimizer, step,
+    agree): a live rank that stays this long in one of them is stalled."""
+    startup_timeout_s: float = 900.0
+    """Timeout of every phase until the first step of an attempt begins (process-group
+    set-up, model build, checkpoint load)."""
+    first_step_timeout_s: float | None = None
+    """Timeout of the training phases inside the first step of an attempt (loader workers
+    start, DDP's lazy imports, the first forward and all-reduce): a stall right after a
+    resume is named after this long, not after `startup_timeout_s`. Default: `timeout_s` plus
+    60 s for those one-time costs, at most `startup_timeout_s` (6 min with the defaults, not
+    15). Raise it when the first step compiles (torch.compile) for longer than that."""
+    checkpoint_timeout_s: float = 1800.0
+    """Timeout of the checkpoint, eval and finish phases."""
+    phase_timeouts_s: dict[str, float] = field(default_factory=dict)
+    """Per-phase overrides by name, e.g. {"eval": 3600}."""
+    barrier_every_steps: int | None = 100
+    """A monitored barrier on the control group every N steps names a rank that never
+    arrives; None to skip it."""
+    barrier_timeout_s: float | None = None
+    """How long the barrier waits; default timeout_s + heartbeat_timeout_s (it must exceed
+    both, so the heartbeat monitor, which knows the phase, speaks first)."""
+    straggler_factor: float | None = 2.0
+    """Flag a rank whose time per step in local phases (data, forward, optimizer) stays above
+    this multiple of the median; None to turn straggler reports off."""
+    straggler_patience: int = 5
+    """...for this many consecutive monitor periods in which steps advanced."""
+    dump_stacks: bool = True
+    """A stalled rank writes its Python stacks to <run_dir>/stacks/rank<R>.txt before exiting."""
+    dump_signal: str | None = "SIGUSR2"
+    """Also dump stacks on this signal (faulthandler: works while stuck in C++); None: no."""
+    kill_stopped: bool = True
+    """Kill a stopped (SIGSTOP) rank on the same host once named: it cannot exit by itself and
+    would hold the launcher's shutdown for its full kill timeout."""
+    exit_grace_s: float | None = None
+    """On a verdict, how long a rank waits for every live rank to acknowledge it before
+    exiting (so nobody dies of a closed connection first); default 2 intervals + 1 s."""
+    min_micro_batch_size: int = 1
+    """The OOM guard halves the micro-batch down to this many samples, then restarts."""
+
+    def __post_init__(self) -> None:
+        iv = self.heartbeat_interval_s
+        if not 0 < iv <= 60:
+            raise ConfigError(f"heartbeat_interval_s must be in (0, 60] seconds, got {iv}")
+        if self.heartbeat_timeout_s < 2 * iv:
+            raise ConfigError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice "
+                f"heartbeat_interval_s ({iv}): one late beat would read as a dead rank"
+            )
+        if self.timeout_s <= iv:
+            raise ConfigError(
+                f"timeout_s ({self.timeout_s}) must exceed heartbeat_interval_s ({iv}); "
+                "raise timeout_s or publish heartbeats more often"
+            )
+        if self.startup_timeout_s < self.timeout_s:
+            raise ConfigError(
+                f"startup_timeout_s ({self.startup_timeout_s}) must be >= timeout_s "
+                f"({self.timeout_s}): the first step also builds buckets, spawns loader "
+                "workers and loads the checkpoint"
+            )
+        if self.first_step_timeout_s is None:
+            self.first_step_timeout_s = min(self.startup_timeout_s, self.timeout_s + 60.0)
+        if not self.timeout_s <= self.first_step_timeout_s <= self.startup_timeout_s:
+            raise ConfigError(
+                f"first_step_timeout_s ({self.first_step_timeout_s}) must lie between "
+                f"timeout_s ({self.timeout_s}), what any later step gets, and "
+                f"startup_timeout_s ({self.startup_timeout_s}), what the start-up before it "
+                "gets"
+            )
+        if self.checkpoint_timeout_s <= iv:
+            raise ConfigError(f"checkpoint_timeout_s must exceed heartbeat_interval_s ({iv})")
+        for name, value in self.phase_timeouts_s.items():
+            phase = Phase.parse(name)
+            if phase in (Phase.CLOSED,) or not value > iv:
+                raise ConfigError(
+                    f"phase_timeouts_s[{name!r}] = {value}: must be a phase other than closed "
+                    f"with a timeout above heartbeat_interval_s ({iv})"
+                )
+        if self.barrier_timeout_s is None:
+            self.barrier_timeout_s = self.timeout_s + self.heartbeat_timeout_s
+        if self.barrier_timeout_s <= max(self.timeout_s, self.heartbeat_timeout_s):
+            raise ConfigError(
+                f"barrier_timeout_s ({self.barrier_timeout_s}) must exceed timeout_s "
+                f"({self.timeout_s}) and heartbeat_timeout_s ({self.heartbeat_timeout_s}): "
+                "heartbeat interval < timeouts < barrier timeout"
+            )
+        if self.barrier_every_steps is not None and self.barrier_every_steps < 1:
+            raise ConfigError(
+                f"barrier_every_steps must be >= 1 or None, got {self.barrier_every_steps}"
+            )
+        if self.straggler_factor is not None and not self.straggler_factor > 1:
+            raise ConfigError(f"straggler_factor must be > 1 or None, got {self.straggler_factor}")
+        if self.straggler_patience < 1:
+            raise ConfigError(f"straggler_patience must be >= 1, got {self.straggler_patience}")
+        if self.dump_signal is not None and not isinstance(
+            getattr(signal, self.dump_signal, None), signal.Signals
+        ):
+            raise ConfigError(f"dump_signal {self.dump_signal!r} is not a signal name (SIGUSR2)")
+        if self.exit_grace_s is None:
+            self.exit_grace_s = 2 * iv + 1.0
+        if self.exit_grace_s < 0:
+            raise ConfigError(f"exit_grace_s must be >= 0, got {self.exit_grace_s}")
+        if self.min_micro_batch_size < 1:
+            raise ConfigError(f"min_micro_batch_size must be >= 1, got {self.min_micro_batch_size}")
+
+    @classmethod
+    def from_env(cls, overrides: Mapping[str, Any] | None = None) -> WatchdogConfig:
+        """Defaults, then $RESILIENT_WATCHDOG, then `overrides`. ConfigError on unknown keys."""
+        fields: dict[str, Any] = {}
+        raw = os.environ.get(ENV_WATCHDOG, "").strip()
+        if raw.lower() in {"0", "off", "false", "no"}:
+            fields["enabled"] = False
+        else:
+            fields.update(json_object_env(ENV_WATCHDOG))
+        fields.update(overrides or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(fields) - known
+        if unknown:
+            raise ConfigError(
+                f"unknown watchdog option(s) {sorted(unknown)}; valid: {sorted(known)}"
+            )
+        return cls(**fields)
+
+    def phase_timeouts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(after the first step, before it): a timeout per Phase value; CLOSED never times out."""
+        warm = np.full(len(Phase), self.timeout_s, dtype=np.float64)
+        for p in (Phase.CHECKPOINT, Phase.EVAL, Phase.FINISH):
+            warm[p] = self.checkpoint_timeout_s
+        warm[Phase.STARTUP] = self.startup_timeout_s
+        for name, value in self.phase_timeouts_s.items():
+            warm[Phase.parse(name)] = value
+        warm[Phase.CLOSED] = math.inf
+        cold = np.maximum(warm, self.startup_timeout_s)
+        return warm, cold
+
+    def first_step_timeouts(self) -> np.ndarray:
+        """A timeout per Phase value inside the first step of an attempt: no phase gets less
+        than after it, the training phases get at least `first_step_timeout_s`."""
+        warm, _ = self.phase_timeouts()
+        return np.maximum(warm, float(self.first_step_timeout_s or 0.0))

@@ -1,0 +1,264 @@
+"""Heartbeats and the hang detector: what each rank publishes (its wire format), and the logic
+that judges it.
+
+Pure logic: no thread, no store, no torch.distributed (the watchdog in watchdog.py runs it).
+
+Two signals, two failure modes:
+- liveness: a daemon thread bumps the beat counter every `heartbeat_interval_s`, also while the
+  main thread is blocked in C++ (a gloo collective releases the GIL). No new beat for
+  `heartbeat_timeout_s` means the process is dead or stopped (SIGSTOP).
+- progress: the main thread moves through phases (data, forward, backward, optimizer, ...).
+  The culprits of a stall are the live ranks furthest behind (lowest progress sequence
+  number: in a DDP hang the sleeper is still in `forward` while its peers wait in
+  `backward`); they are named once their progress is older than their own phase's timeout.
+
+Ages are measured by each rank on its own monotonic clock and aged further by the monitor's
+clock from when it saw the beat, so clocks never need to agree across hosts. Detection
+latency is at most the timeout plus one heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from resilient.hang.config import ENV_WATCHDOG, WatchdogConfig
+from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, FLAG_WARM, Phase, Progress
+
+__all__ = [
+    "BEAT_DTYPE",
+    "ENV_WATCHDOG",
+    "FLAG_FAILED",
+    "FLAG_OOM",
+    "FLAG_WARM",
+    "Detection",
+    "HangDetector",
+    "Phase",
+    "Progress",
+    "RankStatus",
+    "Report",
+    "Straggler",
+    "WatchdogConfig",
+    "decode_beats",
+    "encode_beat",
+]
+
+_BEAT = struct.Struct("<IIqBBff")
+BEAT_DTYPE = np.dtype(
+    [
+        ("beat", "<u4"),
+        ("seq", "<u4"),
+        ("step", "<i8"),
+        ("phase", "u1"),
+        ("flags", "u1"),
+        ("age", "<f4"),
+        ("local", "<f4"),
+    ]
+)
+assert BEAT_DTYPE.itemsize == _BEAT.size
+
+
+def encode_beat(beat: int, progress: Progress, now: float | None = None) -> bytes:
+    """26 bytes: beat counter, progress seq, step, phase, flags, progress age, local s/step."""
+    now = time.monotonic() if now is None else now
+    return _BEAT.pack(
+        beat & 0xFFFFFFFF,
+        progress.seq & 0xFFFFFFFF,
+        progress.step,
+        int(progress.phase),
+        progress.flags,
+        max(0.0, now - progress.since),
+        progress.local_ema,
+    )
+
+
+def decode_beats(payloads: Sequence[bytes] | bytes) -> np.ndarray:
+    """Heartbeat payloads (as a store's multi_get returns them) to a BEAT_DTYPE array."""
+    buf = payloads if isinstance(payloads, bytes) else b"".join(payloads)
+    if len(buf) % BEAT_DTYPE.itemsize:
+        raise ValueError(f"heartbeat payloads of {len(buf)} bytes: not {BEAT_DTYPE.itemsize}-sized")
+    return np.frombuffer(buf, dtype=BEAT_DTYPE)
+
+
+@dataclass(frozen=True, slots=True)
+class RankStatus:
+    """What the monitor knows of one rank at detection time."""
+
+    rank: int
+    step: int
+    phase: str
+    seq: int
+    progress_age_s: float
+    """Time since its last progress (its clock, then ours since we saw the beat)."""
+    silent_s: float
+    """Time since we last saw a new heartbeat from it."""
+    timeout_s: float
+    failed: bool
+    oom: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("progress_age_s", "silent_s", "timeout_s"):
+            d[k] = round(d[k], 3) if math.isfinite(d[k]) else None
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """Why the group must stop: `kind` is stalled, no_heartbeat or failed."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    """The ranks named as the cause."""
+    details: tuple[RankStatus, ...]
+    blocked: tuple[int, ...]
+    """Other ranks past their own timeout (waiting on the named ones, most likely)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    rank: int
+    step: int
+    local_s: float
+    median_s: float
+    cleared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    detection: Detection | None
+    stragglers: tuple[Straggler, ...] = ()
+
+
+class HangDetector:
+    """Judges the heartbeats of `watch` ranks, one `update()` per monitor period.
+
+    `liveness_only` checks heartbeats but not progress (a non-zero rank watching rank 0: a
+    stalled rank 0 is still monitored by its own thread). `clock` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        config: WatchdogConfig,
+        watch: Sequence[int],
+        *,
+        liveness_only: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.ranks = np.asarray(watch, dtype=np.int64)
+        self.liveness_only = liveness_only
+        self._clock = clock
+        n = len(self.ranks)
+        self._beat = np.zeros(n, dtype=np.uint32)
+        self._seen = np.full(n, clock(), dtype=np.float64)
+        self._age = np.zeros(n, dtype=np.float64)
+        self._warm_t, self._cold_t = config.phase_timeouts()
+        self._first_t = config.first_step_timeouts()
+        self._strag_count = np.zeros(n, dtype=np.int64)
+        self._strag_flagged = np.zeros(n, dtype=bool)
+        self._strag_step = -1
+
+    def update(self, payloads: Sequence[bytes] | bytes, now: float | None = None) -> Report:
+        """Fold in one round of heartbeats (in `watch` order) and judge them."""
+        beats = decode_beats(payloads)
+        if len(beats) != len(self.ranks):
+            raise ValueError(f"{len(beats)} heartbeats for {len(self.ranks)} watched ranks")
+        now = self._clock() if now is None else now
+        fresh = beats["beat"] != self._beat
+        self._beat = beats["beat"].copy()
+        self._seen[fresh] = now
+        self._age[fresh] = beats["age"][fresh]
+        silent = now - self._seen
+        phase = np.minimum(beats["phase"], int(Phase.CLOSED))
+        active = phase != Phase.CLOSED
+        dead = active & (silent > self.config.heartbeat_timeout_s)
+        flags = beats["flags"]
+        warm = (flags & FLAG_WARM) != 0
+        # before the first step began (step -1): start-up; inside it: the first step's
+        # allowance, so a stall right after a resume is named in the first-step timeout
+        cold = np.where(beats["step"] >= 0, self._first_t[phase], self._cold_t[phase])
+        limit = np.where(warm, self._warm_t[phase], cold)
+        progress_age = self._age + silent
+        if dead.any():
+            named, kind = dead, "no_heartbeat"
+            blocked = np.zeros_like(dead)
+        elif self.liveness_only:
+            return Report(None)
+        else:
+            # a beat overdue by two periods: the rank is probably stopped or dead; its stale
+            # progress says nothing, so wait for its beat or for the heartbeat timeout
+            quiet = active & (silent > 2 * self.config.heartbeat_interval_s)
+            over = active & ~quiet & (progress_age > limit)
+            if not over.any():
+                return Report(None, self._stragglers(beats, active & warm))
+            if quiet.any():
+                return Report(None)
+            live = active & ~quiet
+            failed = live & ((flags & FLAG_FAILED) != 0)
+            if failed.any():
+                named, kind = failed, "failed"
+            else:
+                # The culprits are the ranks furthest behind (every rank runs the same
+                # sequence of phases); they are named once past their *own* timeout, so a
+                # long phase (eval, checkpoint) keeps its budget while peers wait on it.
+                seq = beats["seq"]
+                named, kind = live & (seq == seq[live].min()) & over, "stalled"
+                if not named.any():
+                    return Report(None)
+            blocked = over & ~named
+
+        def status(i: int) -> RankStatus:
+            return RankStatus(
+                rank=int(self.ranks[i]),
+                step=int(beats["step"][i]),
+                phase=Phase(int(phase[i])).name.lower(),
+                seq=int(beats["seq"][i]),
+                progress_age_s=float(progress_age[i]),
+                silent_s=float(silent[i]),
+                timeout_s=float(limit[i]),
+                failed=bool(flags[i] & FLAG_FAILED),
+                oom=bool(flags[i] & FLAG_OOM),
+            )
+
+        idx = np.flatnonzero(named)
+        return Report(
+            Detection(
+                kind=kind,
+                ranks=tuple(int(r) for r in self.ranks[idx]),
+                details=tuple(status(int(i)) for i in idx[:64]),
+                blocked=tuple(int(r) for r in self.ranks[np.flatnonzero(blocked)]),
+            )
+        )
+
+    def _stragglers(self, beats: np.ndarray, ready: np.ndarray) -> tuple[Straggler, ...]:
+        factor = self.config.straggler_factor
+        if factor is None or self.liveness_only or ready.sum() < 2:
+            return ()
+        step = int(beats["step"][ready].min())
+        if step <= self._strag_step:  # judge once per period in which every rank advanced
+            return ()
+        self._strag_step = step
+        local = beats["local"].astype(np.float64)
+        median = float(np.median(local[ready]))
+        over = ready & (local > factor * median) & (median > 0)
+        self._strag_count = np.where(over, self._strag_count + 1, 0)
+        new = over & (self._strag_count >= self.config.straggler_patience) & ~self._strag_flagged
+        cleared = self._strag_flagged & ~over & ready
+        self._strag_flagged = (self._strag_flagged | new) & ~cleared
+        out = [
+            Straggler(int(self.ranks[i]), int(beats["step"][i]), float(local[i]), median)
+            for i in np.flatnonzero(new)
+        ]
+        out += [
+            Straggler(int(self.ranks[i]), int(beats["step"][i]), float(local[i]), median, True)
+            for i in np.flatnonzero(cleared)
+        ]
+        return tuple(out)

@@ -1,0 +1,122 @@
+"""Where a rank's main thread is: the phases, the heartbeat flags and `Progress`.
+
+`Progress` is written by the main thread (a few attribute stores per phase change) and read
+by the watchdog's heartbeat thread; no lock (each store is atomic under the GIL).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from resilient import faultpoints
+from resilient.errors import ConfigError
+
+__all__ = ["FLAG_FAILED", "FLAG_OOM", "FLAG_WARM", "LOCAL_PHASES", "Phase", "Progress"]
+
+
+class Phase(enum.IntEnum):
+    """Where a rank's main thread is. Phases change at most a few times per micro-batch."""
+
+    STARTUP = 0
+    """From `resilient.init()` to the first step (process group, model build, resume)."""
+    STEP = 1
+    """Inside a step, in user code that no other phase covers."""
+    DATA = 2
+    FORWARD = 3
+    BACKWARD = 4
+    """Entered when the forward returns: loss, backward and the gradient all-reduce."""
+    OPTIMIZER = 5
+    AGREE = 6
+    """Control-group collectives: guard agreement, monitored barrier, save decisions."""
+    CHECKPOINT = 7
+    EVAL = 8
+    FINISH = 9
+    """After `steps()` ended: final digests, evaluation, `close()`."""
+    CLOSED = 10
+    """Left normally; no heartbeat is expected any more."""
+
+    @classmethod
+    def parse(cls, name: str | Phase) -> Phase:
+        if isinstance(name, Phase):
+            return name
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            known = ", ".join(p.name.lower() for p in cls if p is not cls.CLOSED)
+            raise ConfigError(f"unknown phase {name!r}; known phases: {known}") from None
+
+
+# Phases that hold no DDP collective: their time per step tells a straggler from its peers
+# (everyone's step time is the same once the all-reduce waits for the slowest rank).
+LOCAL_PHASES = frozenset({Phase.DATA, Phase.FORWARD, Phase.OPTIMIZER})
+
+FLAG_WARM = 1
+"""The rank completed its first step in this attempt: the tight timeouts apply."""
+FLAG_OOM = 2
+FLAG_FAILED = 4
+"""The rank's guard caught an exception (FLAG_OOM too for an out-of-memory error)."""
+
+
+class Progress:
+    """The main thread's position, read by the heartbeat thread. Updates are a few attribute
+    stores (atomic under the GIL), cheap enough for every phase change."""
+
+    __slots__ = (
+        "_x",
+        "flags",
+        "local_ema",
+        "local_s",
+        "phase",
+        "seq",
+        "since",
+        "step",
+        "steps_done",
+    )
+
+    def __init__(self) -> None:
+        self.phase = Phase.STARTUP
+        self.step = -1
+        self.seq = 0
+        self.since = time.monotonic()
+        self.flags = 0
+        self.local_s = 0.0
+        self.local_ema = 0.0
+        self.steps_done = 0
+
+    def enter(self, phase: Phase) -> None:
+        """Move to `phase` (counts as progress even when it is the current one)."""
+        self._set(phase)
+        faultpoints.hit(faultpoints.PHASE_ENTER, step=self.step, phase=phase)
+
+    def resume(self, phase: Phase) -> None:
+        """Return to `phase` after a nested one (progress, but not a new entry into it)."""
+        self._set(phase)
+
+    def _set(self, phase: Phase) -> None:
+        now = time.monotonic()
+        if self.phase in LOCAL_PHASES:
+            self.local_s += now - self.since
+        self.phase = phase
+        self.since = now
+        self.seq += 1
+
+    def tick(self) -> None:
+        """Progress inside the current phase (a sharded block's forward, the first gradient)."""
+        now = time.monotonic()
+        if self.phase in LOCAL_PHASES:
+            self.local_s += now - self.since
+        self.since = now
+        self.seq += 1
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.local_s = 0.0
+        self.enter(Phase.STEP)
+
+    def end_step(self) -> None:
+        self.tick()  # close the open local interval
+        first = not self.flags & FLAG_WARM
+        self.local_ema = self.local_s if first else 0.5 * self.local_ema + 0.5 * self.local_s
+        self.flags |= FLAG_WARM
+        self.steps_done += 1

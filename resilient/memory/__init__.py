@@ -1,0 +1,1 @@
+"""In-memory snapshots, their buddy replicas and where each replica lives."""

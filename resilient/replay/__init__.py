@@ -1,0 +1,1 @@
+"""Exactness: per-step fingerprints, comparing two runs' steps, and `resilient check-resume`."""

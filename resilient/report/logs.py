@@ -1,0 +1,87 @@
+"""A run's events, read back from `<run_dir>/logs/*.jsonl` in time order, attempts numbered.
+
+The analysis uses:
+- `runtime.init` / `runtime.resume` (per attempt), `train.progress` (step windows with busy
+  seconds), `ckpt.save.start` / `ckpt.save.staged` / `ckpt.save.committed` (save cost), and
+  detection events (`hang.detected`, `fault.detected`, `watchdog.exit`, `guard.failure`, the
+  supervisor's `worker.failed`).
+- `chaos.fault` lines that the chaos harness writes to `logs/chaos.jsonl` give exact fault
+  times; without them a fault's time is estimated as the last event of the failed attempt.
+
+A preempted run is launched again with the same command, and each launch counts its
+attempts from 0: they are renumbered here, so that `restart` counts attempts over the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from resilient import events as ev
+
+__all__ = ["load_events"]
+
+
+def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every event of the run, each with a float `t` (epoch seconds), in time order."""
+    out = []
+    for e in ev.iter_events(Path(run_dir, "logs")):
+        try:
+            e["t"] = ev.timestamp(e)
+        except (ValueError, KeyError, TypeError):
+            continue  # no time: not ours
+        out.append(e)
+    out.sort(key=lambda e: e["t"])
+    _number_attempts_across_launches(out)
+    return out
+
+
+def _number_attempts_across_launches(events: list[dict[str, Any]]) -> None:
+    """Make `restart` count attempts over the whole run, in place.
+
+    Within one launch `restart` is torch elastic's restart count. A preemption ends the
+    launch, and the next launch (the same command again) counts from 0: its attempts would
+    merge with the first launch's. A rank process's launch is known from its own
+    `runtime.init` (restart 0 starts a new launch for that rank), the supervisor's from its
+    pid; each launch is then offset by the attempts of the launches before it."""
+    rank_launch: dict[tuple[Any, Any], int] = {}
+    launches_of_rank: dict[Any, int] = {}
+    sup_launch: dict[Any, int] = {}
+    most: dict[int, int] = {}  # launch -> highest restart seen in it
+    for e in events:
+        if e.get("event") == "runtime.init" and e.get("rank") is not None:
+            key = (e["rank"], e.get("pid"))
+            if key in rank_launch:
+                continue
+            n = launches_of_rank.get(e["rank"], -1)
+            if int(e.get("generation") or 0) > 0 and n >= 0:
+                # a hot replacement: a new process in the same attempt, not a relaunch
+                rank_launch[key] = n
+                continue
+            if int(e.get("restart", 0)) == 0 or n < 0:
+                n += 1
+            launches_of_rank[e["rank"]] = n
+            rank_launch[key] = n
+            most[n] = max(most.get(n, 0), int(e.get("restart", 0)))
+        elif e.get("event") == "supervisor.start" and e.get("pid") not in sup_launch:
+            sup_launch[e.get("pid")] = len(sup_launch)
+    if len(most) < 2:
+        return  # one launch: restart already counts every attempt
+    offset: dict[int, int] = {}
+    acc = 0
+    for n in sorted(most):
+        offset[n] = acc
+        acc += most[n] + 1
+    for e in events:
+        if "restart" not in e:
+            continue
+        launch: int | None
+        if e.get("rank") is not None:
+            launch = rank_launch.get((e["rank"], e.get("pid")))
+        elif e.get("source") == "supervisor":
+            launch = sup_launch.get(e.get("pid"))
+        else:
+            launch = None
+        if launch is not None and launch in offset:
+            e["launch"] = launch
+            e["restart"] = offset[launch] + int(e["restart"])

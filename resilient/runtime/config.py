@@ -1,0 +1,116 @@
+"""`RuntimeConfig`: how the runtime saves and logs, and `resilient.init()`'s options.
+
+`init(checkpoint_dir, **options)` takes fields of RuntimeConfig and of CheckpointConfig in one
+flat set of keywords; `build_config` sorts them, checks them and applies the environment the
+launcher (or `resilient check-resume`) set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.checkpoint import CheckpointConfig
+from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_SCRATCH
+from resilient.errors import ConfigError
+from resilient.hang.config import WatchdogConfig
+from resilient.memory.snapshot import SnapshotConfig
+from resilient.preempt.watch import PreemptConfig
+
+__all__ = ["RuntimeConfig", "build_config"]
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """How the runtime saves and logs. Checkpoint storage details live in `checkpoint`."""
+
+    checkpoint: CheckpointConfig
+    """Where checkpoints go and how they are written."""
+    run_dir: str | None = None
+    """Per-rank JSON event logs go to <run_dir>/logs. Default: $RESILIENT_RUN_DIR, else
+    ./runs/<run id>."""
+    save_every_steps: int | None = 100
+    """Save after every N completed steps; None to save on time only."""
+    save_every_seconds: float | None = None
+    """Save when this many seconds passed since the last save (decided by rank 0 for all)."""
+    save_at_end: bool = True
+    """Save (synchronously) when `steps()` reaches `total`."""
+    backend: str | None = None
+    """Training process-group backend; default gloo on CPU, cpu:gloo,cuda:nccl on GPU."""
+    pg_timeout_s: float = 1800.0
+    """Collective timeout of the training group."""
+    side_timeout_s: float = 300.0
+    """Collective timeout of the control and checkpoint groups."""
+    console_level: str = "INFO"
+    """Lowest level shown on the console; the JSON log keeps everything."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig.from_env)
+    """Hang detection, heartbeats, barrier and OOM-guard settings; init() also takes a dict
+    of its fields. Default: WatchdogConfig defaults with $RESILIENT_WATCHDOG overrides."""
+    preempt: PreemptConfig = field(default_factory=PreemptConfig.from_env)
+    """Preemption signals, grace period and check interval (resilient.preempt.watch); init()
+    also takes a dict. Default: $RESILIENT_GRACE_S and $RESILIENT_PREEMPT_SIGNALS, which
+    `resilient run` sets, else 30 s and SIGTERM,SIGUSR1."""
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig.from_env)
+    """In-memory snapshots and in-place rollback on an agreed exception (off by default;
+    resilient.memory.snapshot); init() also takes a dict. Default: $RESILIENT_SNAPSHOT."""
+    pin_ddp_buckets: bool = True
+    """Fix a tracked DDP model's gradient buckets at track(), in parameter order, so every
+    process, fresh or resumed, all-reduces with the same layout from its first step. Without
+    it DDP reduces a process's first step in one bucket and later ones in buckets rebuilt in
+    gradient-ready order, so on 3 or more ranks the step after a resume sums in another order
+    and the run is no longer bit-exact. False keeps DDP's own layout: more communication
+    overlaps the backward pass on large models (resilient.dist.ddp)."""
+
+    def __post_init__(self) -> None:
+        if self.save_every_steps is not None and self.save_every_steps < 1:
+            raise ConfigError(f"save_every_steps must be >= 1 or None, got {self.save_every_steps}")
+        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
+            raise ConfigError(
+                f"save_every_seconds must be > 0 or None, got {self.save_every_seconds}"
+            )
+        if self.side_timeout_s <= 0 or self.pg_timeout_s <= 0:
+            raise ConfigError("pg_timeout_s and side_timeout_s must be > 0 seconds")
+        if self.console_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ConfigError(
+                f"console_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, "
+                f"got {self.console_level!r}"
+            )
+
+
+_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"checkpoint"}
+_CKPT_FIELDS = {f.name for f in dataclasses.fields(CheckpointConfig)} - {"url"}
+
+
+def build_config(
+    checkpoint_dir: str | os.PathLike[str] | None, options: dict[str, Any]
+) -> RuntimeConfig:
+    """The RuntimeConfig of `init(checkpoint_dir, **options)`; ConfigError on an unknown
+    option or a value out of range."""
+    options = dict(options)
+    unknown = set(options) - _RUNTIME_FIELDS - _CKPT_FIELDS
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {sorted(unknown)}; valid options are "
+            f"{sorted(_RUNTIME_FIELDS | _CKPT_FIELDS)}"
+        )
+    url = (
+        os.fspath(checkpoint_dir)
+        if checkpoint_dir is not None
+        else (os.environ.get(ENV_CHECKPOINT_DIR) or "checkpoints")
+    )
+    scratch = os.environ.get(ENV_SCRATCH)
+    if scratch:  # resilient check-resume: never the script's own locations
+        url, options["run_dir"] = os.path.join(scratch, "ckpt"), os.path.join(scratch, "run")
+        options.pop("local_url", None)
+    ckpt = CheckpointConfig(url=url, **{k: v for k, v in options.items() if k in _CKPT_FIELDS})
+    if isinstance(options.get("watchdog"), dict):
+        options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
+    if isinstance(options.get("preempt"), dict):
+        options["preempt"] = PreemptConfig.from_env(options["preempt"])
+    if isinstance(options.get("snapshot"), dict):
+        options["snapshot"] = SnapshotConfig.from_env(options["snapshot"])
+    return RuntimeConfig(
+        checkpoint=ckpt, **{k: v for k, v in options.items() if k in _RUNTIME_FIELDS}
+    )
