@@ -13,6 +13,7 @@ test: setup
 	$(PY) -m ruff check resilient chaos recipes scripts tests
 	$(PY) -m ruff format --check resilient chaos recipes scripts tests
 	$(PY) -m mypy
+	.venv/bin/lint-imports
 	$(PY) -m pytest -q -m "not extended"
 
 # the long soak of docs/chaos.md: the tests marked `extended` (left out of `make test` to keep
