@@ -1,8 +1,10 @@
-"""Named fault points: the few places where a fault-injection harness may act inside a rank.
+"""Named fault points: the few places where a fault-injection harness may act inside a rank
+or its launcher.
 
-The chaos harness (chaos/faults.py) kills, stops or raises in a rank at exact moments: as it
-enters a phase of a step, in the middle of an in-memory snapshot, between the two halves of a
-replica exchange, on its way into a hot recovery's next generation. Production code names
+The chaos harness (chaos/faults.py, chaos/supervise.py) kills, stops or raises in a rank at
+exact moments: as it enters a phase of a step, in the middle of an in-memory snapshot, between
+the two halves of a replica exchange, on its way into a hot recovery's next generation, or
+right after the launcher's agent looked at its workers. Production code names
 those moments here and calls `hit()` there; the harness `arm()`s an action on a name. Moving
 code carries its `hit()` along, so a fault can never be silently disarmed by a refactor, and
 an unknown name is an error at `arm()`.
@@ -19,6 +21,7 @@ PHASE_ENTER = "phase.enter"
 SNAPSHOT_COPIED = "snapshot.copied"
 REPLICA_HEADERS = "replica.headers"
 HOT_ROLL_CALL = "hot.roll_call"
+AGENT_LOOKED = "agent.looked"
 
 POINTS: dict[str, str] = {
     PHASE_ENTER: "a rank's main thread entered a phase (step=, phase=: a Phase), after the "
@@ -29,6 +32,8 @@ POINTS: dict[str, str] = {
     "crossed yet (step=; memory/replica.py, on the replica thread)",
     HOT_ROLL_CALL: "a rank enters the roll call of a hot recovery's generation, before its "
     "process groups form (generation=; hot/reform.py)",
+    AGENT_LOOKED: "the supervisor's agent looked at its workers' exits and acts on them next "
+    "(pids=: local rank -> pid; supervisor/agent.py, in the launcher's process)",
 }
 """Every point, with what has happened when it is hit and the keyword arguments it passes."""
 

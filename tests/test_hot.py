@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ def _run(
     worker: tuple[str, ...] = (),
     watchdog: dict[str, float] | None = None,
     snapshot: dict[str, Any] | None = None,
+    kill_stopped: bool = False,
 ) -> tuple[int, str]:
     argv = [*extra, "--nproc-per-node", str(nproc), "--run-dir", str(out / "run")]
     argv += ["--monitor-interval", "0.05"]
@@ -51,7 +53,10 @@ def _run(
         env["RESILIENT_SNAPSHOT"] = json.dumps(snap)
     launcher = Launcher()
     try:
-        code, _, err = launcher.run(run_cmd(*argv), timeout=150, env=env)
+        cmd = run_cmd(*argv)
+        if kill_stopped:  # the launcher runs with a fault armed in its agent (chaos/supervise.py)
+            cmd = [sys.executable, "-m", "chaos.supervise", "--kill-stopped", "--", *cmd[3:]]
+        code, _, err = launcher.run(cmd, timeout=150, env=env)
     finally:
         launcher.close()
     pids = {int(e["pid"]) for e in run_events(out / "run", "runtime.init")}
@@ -98,6 +103,35 @@ def golden_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
         assert code == 0, err[-3000:]
         digests[n] = _digest(out)
     return digests
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_a_stopped_rank_killed_right_after_the_agents_look_is_replaced_hot(
+    golden: dict[int, str], golden_fsdp: dict[int, str], tmp_path: Path, fsdp: bool
+) -> None:
+    """Issue 31's race, driven rather than waited for: rank 1 stops itself (SIGSTOP) at step
+    5, and right after the agent's next look at its workers the harness SIGKILLs it, as a
+    peer's watchdog does with a stopped rank. The next thing to see that exit used to be
+    torch's own poll, which SIGTERMed the survivor while it awaited its replacement; the agent
+    then counted both and went cold ("2 workers failed at once"). Now the agent's own next
+    look sees it and replaces it hot."""
+    code, err = _run(
+        tmp_path,
+        2,
+        ["stop@rank=1,step=5,phase=forward"],
+        "--hot-recovery",
+        worker=("--fsdp",) if fsdp else (),
+        kill_stopped=True,
+    )
+    assert code == 0, err[-3000:]
+    assert '"kind": "kill_stopped", "local_rank": 1' in err  # the harness did kill it
+    assert not _events(tmp_path, "recovery.cold"), _events(tmp_path, "recovery.cold")
+    (replace,) = _events(tmp_path, "recovery.hot.replace")
+    assert (replace["rank"], replace["exit_code"], replace["generation"]) == (1, -9, 1)
+    assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
+    inits = _inits(tmp_path)
+    assert inits[0][0] == inits[0][1] and inits[1][0] != inits[1][1]
+    assert _digest(tmp_path) == (golden_fsdp if fsdp else golden)[2]
 
 
 @pytest.mark.parametrize(("nproc", "victim", "replicas"), [(2, 1, 1), (3, 0, 1), (2, 1, 0)])

@@ -41,7 +41,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from resilient import storekeys
+from resilient import faultpoints, storekeys
 from resilient.envvars import ENV_ATTEMPT, ENV_STORE
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
@@ -193,6 +193,7 @@ class SupervisedAgent(ElasticAgentBase):
             self._hot.kill_named(worker_group, pids)
         if pids is not None and not self._roots:
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+            faultpoints.hit(faultpoints.AGENT_LOOKED, pids=dict(pids))
             failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}
             if failed and self._hot.enabled and self._hot.replace(worker_group, codes, failed):
                 failed = {}
@@ -201,6 +202,13 @@ class SupervisedAgent(ElasticAgentBase):
                 alive = [lr for lr, c in codes.items() if c is None]
                 if alive:
                     self._stop_survivors(pids, alive, failed)
+            elif self._hot.enabled and None in codes.values():
+                # Not torch's poll while workers run: its process context SIGTERMs every
+                # running worker at the first failed exit it sees. A worker lost since the
+                # look above (a stopped rank its peer's watchdog just killed) would then take
+                # the survivors down as they await its replacement, and come back as a
+                # second failure: cold. The next look (--monitor-interval) replaces it hot.
+                return RunResult(state=WorkerState.HEALTHY)
         result = super().monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return self._after_failure(worker_group, result)
