@@ -6,6 +6,8 @@ python -m chaos soak --seed 7 --runs 200        seeded random fault schedules
 python -m chaos soak --seed 7 --runs 200 --jobs 2 --summary soak.json
 python -m chaos run chaos/scenarios/hot_in_process.toml   a hot-mode scenario (hot = true)
 python -m chaos summary soak.json                a soak's results as a Markdown table
+python -m chaos repeat --kind sigstop --recipe train_fsdp.py --runs 30 --seed 31 --hot
+                                                one fault kind, seeded, with hot/cold counts
 
 A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
 and prints the one command that runs it again.
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from chaos.procs import REPO
 from chaos.runner import Result, describe, run_scenario
-from chaos.scenario import Scenario, generate
+from chaos.scenario import FAULT_KINDS, Scenario, generate, repeated
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 
@@ -51,9 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         default=0.25,
         help="the share of runs in hot mode (drawn from the seed; 0: cold only)",
     )
+    rep = sub.add_parser("repeat", help="one fault kind, seeded, with hot/cold counts")
+    rep.add_argument("--kind", required=True, choices=sorted(FAULT_KINDS))
+    rep.add_argument("--recipe", default="train_ddp.py", choices=["train_ddp.py", "train_fsdp.py"])
+    rep.add_argument("--runs", type=int, default=30)
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--hot", action="store_true", help="hot mode (--hot-recovery)")
     summ = sub.add_parser("summary", help="a soak's --summary JSON as a Markdown table")
     summ.add_argument("file", type=Path)
-    for q in (r, s):
+    for q in (r, s, rep):
         q.add_argument("--jobs", type=int, default=1, help="scenarios run side by side")
         q.add_argument("--summary", type=Path, default=None, help="write every result as JSON")
     args = p.parse_args(argv)
@@ -66,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = [Scenario.load(f) for f in args.files]
     elif args.cmd == "matrix":
         scenarios = [Scenario.load(f) for f in sorted(SCENARIOS.glob("*.toml"))]
+    elif args.cmd == "repeat":
+        scenarios = repeated(args.kind, args.recipe, args.seed, args.runs, hot=args.hot)
     else:
         from chaos.launch import hot_recovery_unavailable
 
@@ -89,7 +99,30 @@ def main(argv: list[str] | None = None) -> int:
     failed = len(results) - passed - skipped
     wall = time.monotonic() - started
     print(f"chaos: {passed} passed, {failed} failed, {skipped} skipped in {wall:.0f} s")
+    if args.cmd == "repeat":
+        print(
+            json.dumps(
+                {
+                    "kind": args.kind,
+                    "recipe": args.recipe,
+                    "hot_mode": args.hot,
+                    "runs": len(results),
+                    **_recovery_counts(results),
+                }
+            )
+        )
     return 0 if failed == 0 else 1
+
+
+def _recovery_counts(results: list[Result]) -> dict[str, int]:
+    """How each run's fault was recovered (check g, from the events), and how many passed
+    every invariant (a: the final weights bitwise equal to the fault-free run's)."""
+    counts = {"hot": 0, "cold": 0, "other": 0, "passed": 0}
+    for r in results:
+        got = r.checks.get("g_recovery", "").split(": ")[-1].split(" ")[0]
+        counts[got if got in ("hot", "cold") else "other"] += 1
+        counts["passed"] += r.ok and not r.skipped
+    return counts
 
 
 def _write_summary(path: Path, results: list[Result]) -> None:

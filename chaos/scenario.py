@@ -35,6 +35,7 @@ __all__ = [
     "Scenario",
     "expected_recovery",
     "generate",
+    "repeated",
     "replaces_process",
 ]
 
@@ -320,6 +321,31 @@ def generate(
         else:
             out.append(cold)
     return out
+
+
+def repeated(kind: str, recipe: str, seed: int, count: int, *, hot: bool = True) -> list[Scenario]:
+    """`count` runs of one fault `kind` on `recipe`, its rank, step and phase drawn from `seed`:
+    the hot/cold counts of one fault class (issue 31: `sigstop` and `hang` in hot mode)."""
+    rng = random.Random(f"repeat-{kind}-{recipe}-{seed}")
+    steps, save_every = 24, 4
+    return [
+        Scenario(
+            name=f"repeat-{kind}-{recipe.removesuffix('.py')}-{seed}-{i:04d}",
+            recipe=recipe,
+            steps=steps,
+            save_every=save_every,
+            hot=hot,
+            faults=[
+                Fault(
+                    kind=kind,
+                    rank=rng.randint(0, 1),
+                    at_step=rng.randint(save_every + 1, steps - save_every - 1),
+                    phase=rng.choice(_IN_STEP),
+                )
+            ],
+        )
+        for i in range(count)
+    ]
 
 
 def _draw_hot(
