@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from resilient.exitcodes import ExitCode
     from resilient.hang.config import WatchdogConfig
     from resilient.runtime import Runtime, RuntimeConfig, current, init
+    from resilient.weights.load import load_model
 
 _HOME = {
     "CheckpointConfig": "resilient.checkpoint",
@@ -48,6 +49,7 @@ _HOME = {
     "WatchdogConfig": "resilient.hang.config",
     "current": "resilient.runtime",
     "init": "resilient.runtime",
+    "load_model": "resilient.weights.load",
 }
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "__version__",
     "current",
     "init",
+    "load_model",
     "state_digest",
 ]
 

@@ -8,6 +8,7 @@ fails on one rank is given up on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,7 +89,9 @@ class Loader:
             return None
         return manifest
 
-    def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
+    def _open(self, step: int, manifest: Manifest) -> tuple[Any, Verifier, Any]:
+        """A verifying reader of checkpoint `step` and its DCP metadata, checked and agreed
+        by every rank before it is unpickled."""
         verifier = Verifier(
             storage=self.storage,
             rel=step_dir(step),
@@ -102,6 +105,7 @@ class Loader:
         # Every rank checks .metadata before unpickling it; all agree before going on.
         problems: list[str] = []
         failed: Exception | None = None
+        md = None
         try:
             md = reader.read_metadata()
         except VerificationFailed as e:
@@ -118,6 +122,77 @@ class Loader:
         others = [err for _, err in outcomes if err]
         if others:
             raise CheckpointError("; ".join(others))
+        return reader, verifier, md
+
+    def load_weights(
+        self,
+        model: torch.nn.Module,
+        step: int,
+        *,
+        strict: bool = True,
+        exclude: Callable[[str], bool] | None = None,
+    ) -> list[str]:
+        """Load only the model's weights of checkpoint `step`, verified, into `model` (plain,
+        DDP or FSDP2, resharded onto this world size); the keys loaded.
+
+        `exclude(name)` keeps a key at its current value. `strict`: a key of the model that
+        the checkpoint lacks, or one of the checkpoint that the model lacks, raises
+        CheckpointMismatchError naming them; otherwise only the keys both have are loaded.
+        A shape that differs always raises. Every rank of the collectives' group calls it; a
+        checkpoint that fails verification raises VerificationFailed on every rank.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        manifest = self.collectives.agree(lambda: read_manifest(self.storage, step))
+        reader, verifier, md = self._open(step, manifest)
+        live = get_model_state_dict(model)
+        skip = exclude or (lambda _name: False)
+        want = {k: v for k, v in live.items() if isinstance(v, torch.Tensor) and not skip(k)}
+        have = {
+            k[len("model.") :]: tuple(getattr(v, "size", ()))
+            for k, v in md.state_dict_metadata.items()
+            if k.startswith("model.") and not skip(k[len("model.") :])
+        }
+        where = f"{self.storage.url}/{step_dir(step)}"
+        missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        shapes = sorted(
+            f"{k}: checkpoint {have[k]} vs model {tuple(want[k].shape)}"
+            for k in set(want) & set(have)
+            if have[k] != tuple(want[k].shape)
+        )
+        if shapes or (strict and (missing or unexpected)):
+            raise CheckpointMismatchError(
+                f"checkpoint {where} does not fit the model: "
+                + _keys_said(missing, unexpected, shapes)
+                + ". Exclude the keys that differ (init_exclude, or strict=False to load the "
+                "keys both have)."
+            )
+        names = sorted(set(want) & set(have))
+        template: dict[str, Any] = {"model": {k: want[k] for k in names}}
+        try:
+            dcp.load(
+                template,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=self.collectives.group,
+                no_dist=not self.collectives.distributed,
+            )
+        except CheckpointException as e:  # what a rank raised inside DCP, said plainly
+            found = verification_problems(e)
+            if found:
+                raise VerificationFailed(found) from None
+            raise CheckpointError(f"{where}: {self.storage.redact(why(e))}") from None
+        finally:
+            verifier.drop_ahead()
+        set_model_state_dict(model, template["model"], options=StateDictOptions(strict=False))
+        return names
+
+    def _load(self, state: TrainState, step: int, manifest: Manifest) -> None:
+        reader, verifier, md = self._open(step, manifest)
         saved = md.state_dict_metadata
         self._check_fits(state, saved, step)
         same_world = manifest.world_size == self.world_size
@@ -174,3 +249,17 @@ class Loader:
                 + (f", shape mismatches {shapes[:10]}" if shapes else "")
                 + ". Point the checkpoint location at this model's checkpoints, or use a new one."
             )
+
+
+def _keys_said(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+    def some(keys: list[str]) -> str:
+        return f"{keys[:10]}{'...' if len(keys) > 10 else ''}"
+
+    parts = []
+    if missing:
+        parts.append(f"missing keys {some(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys {some(unexpected)}")
+    if shapes:
+        parts.append(f"shape mismatches {some(shapes)}")
+    return ", ".join(parts)

@@ -306,7 +306,37 @@ class CheckpointManager:
         )
         return True
 
+    def load_weights(
+        self, model: Any, step: int | None = None, *, strict: bool = True, exclude: Any = None
+    ) -> tuple[int, builtins.list[str]]:
+        """Load the model's weights alone from checkpoint `step` (default: the newest
+        committed), verified; return the step and the keys loaded. No fallback to an older
+        checkpoint: a source named for its weights must be the one loaded (Loader.load_weights)."""
+        t0 = time.perf_counter()
+        step = _chosen_step(self.candidates(), step, self.storage.url)
+        names = self._loader.load_weights(model, step, strict=strict, exclude=exclude)
+        self._log.info("ckpt.load.weights", step=step, url=self.storage.url, keys=len(names),
+                       seconds=round(time.perf_counter() - t0, 4))  # fmt: skip
+        return step, names
+
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Wait for the in-flight save and release threads and staging buffers."""
         self._saves.close()
+
+
+def _chosen_step(committed: builtins.list[int], step: int | None, where: str) -> int:
+    """`step`, or the newest of `committed` when None; CheckpointError naming what there is."""
+    if not committed:
+        raise CheckpointError(
+            f"no committed checkpoint under {where}: point at the directory a run saved to "
+            "(it holds step_*/manifest.json)"
+        )
+    if step is None:
+        return committed[0]
+    if step not in committed:
+        raise CheckpointError(
+            f"no committed checkpoint at step {step} under {where}: it has steps "
+            f"{sorted(committed)}"
+        )
+    return step

@@ -62,8 +62,39 @@ class RuntimeConfig:
     gradient-ready order, so on 3 or more ranks the step after a resume sums in another order
     and the run is no longer bit-exact. False keeps DDP's own layout: more communication
     overlaps the backward pass on large models (resilient.dist.ddp)."""
+    init_from: str | None = None
+    """Initial weights for a run that has no checkpoint of its own yet: a resilient checkpoint
+    location (of another run; a `step_*` directory, or `init_step`, picks the step), a Hugging
+    Face safetensors directory, or a torch.save file. Resharded onto this world size and
+    layout, verified where the source has checksums. Once the run has committed a checkpoint,
+    resumes load that and never this again (resilient/weights/load.py)."""
+    init_step: int | None = None
+    """The step of a resilient `init_from` (default: its newest committed checkpoint)."""
+    init_exclude: tuple[str, ...] = ()
+    """Glob patterns of model keys `init_from` leaves at their initialization (a new head)."""
+    init_with: tuple[str, ...] = ("model",)
+    """What `init_from` takes: "model" alone by default; from a resilient checkpoint also
+    "optimizer", "scheduler", "data" (the loader's position) and "rng". The step count
+    starts at 0 whatever is taken: it is a new run."""
 
     def __post_init__(self) -> None:
+        self.init_exclude = tuple(self.init_exclude)
+        self.init_with = tuple(self.init_with)
+        bad = set(self.init_with) - set(INIT_PARTS)
+        if bad or "model" not in self.init_with:
+            raise ConfigError(
+                f"init_with must hold 'model' and any of {list(INIT_PARTS[1:])}, got "
+                f"{list(self.init_with)}"
+            )
+        if self.init_from is None and (
+            self.init_step is not None or self.init_exclude or self.init_with != ("model",)
+        ):
+            raise ConfigError("init_step, init_exclude and init_with need init_from=SOURCE")
+        if self.init_with != ("model",) and self.init_exclude:
+            raise ConfigError(
+                "init_exclude works with init_with=('model',) only: optimizer state is kept "
+                "per parameter, so a partly loaded model cannot take the source's optimizer"
+            )
         if self.save_every_steps is not None and self.save_every_steps < 1:
             raise ConfigError(f"save_every_steps must be >= 1 or None, got {self.save_every_steps}")
         if self.save_every_seconds is not None and self.save_every_seconds <= 0:
@@ -78,6 +109,9 @@ class RuntimeConfig:
                 f"got {self.console_level!r}"
             )
 
+
+INIT_PARTS = ("model", "optimizer", "scheduler", "data", "rng")
+"""What init_with may name (RuntimeConfig.init_with)."""
 
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"checkpoint"}
 _CKPT_FIELDS = {f.name for f in dataclasses.fields(CheckpointConfig)} - {"url"}

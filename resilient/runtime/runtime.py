@@ -243,6 +243,8 @@ class Runtime(Loops):
                 return self.step
         with self.watchdog.phase(Phase.CHECKPOINT):
             loaded = self.checkpoints.load_latest(self.state)
+            if loaded is None and self.config.init_from is not None:
+                wiring.init_weights(self.config, self.state, self.ctx.checkpoint_group)
         self._resumed_at(loaded or 0, loaded=loaded, hot=False)
         return self.step
 

@@ -18,9 +18,11 @@ from typing import Any
 from torch import nn
 
 from resilient import log
+from resilient.checkpoint import TrainState
 from resilient.dist.ddp import ddp_modules, pin_buckets
 from resilient.dist.groups import DistContext, env_identity
 from resilient.envvars import ENV_RUN_DIR, HotMode
+from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
 from resilient.memory.snapshot import Snapshots
@@ -110,3 +112,67 @@ def within(seconds: float, fn: Callable[[], Any]) -> bool:
 def at_least_warning(level: str) -> str:
     order = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     return order[max(order.index(level.upper()), 2)]
+
+
+def init_weights(config: RuntimeConfig, state: TrainState | None, group: Any) -> None:
+    """A start with no checkpoint of the run's own: take `config.init_from`'s model (and,
+    from a resilient checkpoint, the parts `init_with` names) into the tracked state. Every
+    rank calls it; the step count stays 0."""
+    from resilient.checkpoint import CheckpointConfig, CheckpointManager
+    from resilient.weights.load import load_model
+    from resilient.weights.sources import identify
+
+    if state is None or state.model is None:
+        raise ConfigError("init_from needs a model: call rt.track(model=...) before steps()")
+    src, logger = str(config.init_from), log.get_logger()
+    parts = set(config.init_with)
+    if parts == {"model"}:
+        done = load_model(
+            src,
+            state.model,
+            step=config.init_step,
+            exclude=config.init_exclude,
+            storage_options=config.checkpoint.storage_options,
+            process_group=group,
+        )
+        logger.info("init.from", source=src, kind=done.kind, step=done.step, took=["model"])
+        return
+    source = identify(src, step=config.init_step)
+    if source.kind != "resilient":
+        raise ConfigError(
+            f"init_with={list(config.init_with)} needs a resilient checkpoint as init_from: "
+            f"{src} is a {source.kind} file, which holds the model's weights alone"
+        )
+    sub = TrainState(
+        model=state.model,
+        optimizer=state.optimizer if "optimizer" in parts else None,
+        common={
+            k: v
+            for k, v in state.common.items()
+            if (k == "scheduler" and "scheduler" in parts) or (k == "__data__" and "data" in parts)
+        },
+        per_rank=dict(state.per_rank) if "data" in parts else {},
+        rng="rng" in parts,
+    )
+    mgr = CheckpointManager(
+        CheckpointConfig(
+            url=source.url, storage_options=config.checkpoint.storage_options, async_save=False
+        ),
+        process_group=group,
+    )
+    try:
+        steps = mgr.candidates()
+        step = source.step if source.step is not None else (steps[0] if steps else None)
+        if step is None or step not in steps:
+            raise CheckpointError(
+                f"init_from {source.url}: no committed checkpoint"
+                + (f" at step {step} (it has {sorted(steps)})" if steps else "")
+            )
+        if not mgr.try_load(sub, step):
+            raise CheckpointCorruptError(
+                f"init_from {source.url} step {step} failed verification; the ckpt.fallback "
+                "event names the file. Nothing was loaded."
+            )
+    finally:
+        mgr.close()
+    logger.info("init.from", source=src, kind="resilient", step=step, took=sorted(parts))

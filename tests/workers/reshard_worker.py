@@ -2,7 +2,9 @@
 
 Usage (under torchrun, or as a plain process for "plain"):
     reshard_worker.py --out DIR --run-dir DIR OP [OP ...]
-where OP is `save:<fsdp|ddp|plain>:<checkpoint dir>` or `load:<fsdp|ddp|plain>:<checkpoint dir>`.
+where OP is `save:<fsdp|ddp|plain>:<checkpoint dir>`, `load:<fsdp|ddp|plain>:<checkpoint dir>`
+or `weights:<fsdp|ddp|plain>:<source>` (resilient.load_model of the model alone: a checkpoint
+location, a safetensors directory or a torch.save file; `model_digest` is the model's).
 Each rank writes DIR/rank<R>.json: one record per OP with the state digest (the same on every
 rank: state_digest gathers the full state) and the scheduler state.
 """
@@ -53,6 +55,12 @@ def optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
 def run_op(op: str, rank: int, pg: Any) -> dict[str, Any]:
     kind, how, url = op.split(":", 2)
     model = build(0 if kind == "save" else 1, how)
+    if kind == "weights":
+        from resilient.weights.load import load_model
+
+        loaded = load_model(url, model, process_group=pg)
+        digest = state_digest(model)
+        return {"op": op, "digest": digest, "model_digest": digest, "keys": loaded.keys}
     opt, sched = optimizer(model)
     state = TrainState(model=model, optimizer=opt, common={"scheduler": sched})
     mgr = CheckpointManager(CheckpointConfig(url=url, async_save=False), process_group=pg)
@@ -72,6 +80,7 @@ def run_op(op: str, rank: int, pg: Any) -> dict[str, Any]:
         record["step"] = mgr.load_latest(state)
     mgr.close()
     record["digest"] = state_digest(model, opt)
+    record["model_digest"] = state_digest(model)
     record["scheduler"] = {
         k: v for k, v in sched.state_dict().items() if k != "_get_lr_called_within_step"
     }
