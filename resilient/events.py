@@ -26,6 +26,10 @@ __all__ = [
     "CKPT_SAVE_STAGED",
     "CKPT_SAVE_START",
     "DETECTION",
+    "EXPORT_DONE",
+    "EXPORT_FAILED",
+    "EXPORT_START",
+    "EXPORT_VERIFIED",
     "HANG_DETECTED",
     "OOM_RETRY",
     "PREEMPT_EXIT",
@@ -84,6 +88,17 @@ CKPT_SAVE_COMMITTED = "ckpt.save.committed"
 CKPT_LOAD = "ckpt.load"
 CKPT_FALLBACK = "ckpt.fallback"
 CKPT_FRESH_START = "ckpt.fresh_start"
+# resilient export (resilient/weights/export.py)
+EXPORT_START = "export.start"
+"""An export began: src (the checkpoint), dst, step, format, tensors, bytes (to write)."""
+EXPORT_VERIFIED = "export.verified"
+"""Every file of the checkpoint matched its manifest, before anything was written: files,
+bytes (read), seconds."""
+EXPORT_DONE = "export.done"
+"""An export is in place: dst, files, tensors, bytes, seconds, and its parts (verify_s,
+read_s, write_s)."""
+EXPORT_FAILED = "export.failed"
+"""An export stopped with nothing under its final name: error."""
 # faults, detection and preemption
 HANG_DETECTED = "hang.detected"
 WORKER_FAILED = "worker.failed"

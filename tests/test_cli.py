@@ -47,4 +47,4 @@ def test_verify_ok_then_detects_a_flipped_byte(ckpt_root: Path, capsys: pytest.C
 
 def test_verify_empty_location_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert main(["verify", str(tmp_path / "nothing")]) == 2
-    assert "no committed checkpoint" in capsys.readouterr().err
+    assert "nothing at this location" in capsys.readouterr().err

@@ -42,6 +42,10 @@ class _Usage(Exception):
     pass
 
 
+class _Help(Exception):
+    pass
+
+
 @dataclass(slots=True)
 class _Args:
     steps: int | None
@@ -59,7 +63,7 @@ def _parse(argv: list[str]) -> _Args:
     while rest and rest[0] in ("--steps", "--keep", "--timeout", "-h", "--help"):
         flag = rest.pop(0)
         if flag in ("-h", "--help"):
-            raise _Usage(__doc__ or "")
+            raise _Help
         if not rest:
             raise _Usage(f"{flag} needs a value\n{_USAGE}")
         value = rest.pop(0)
@@ -77,6 +81,8 @@ def _parse(argv: list[str]) -> _Args:
                 f"{flag} {value!r}: --steps takes a number >= 2, --timeout seconds"
             ) from None
     at = next((i for i, a in enumerate(rest) if a.endswith(".py") or Path(a).is_file()), None)
+    if {"-h", "--help"} & set(rest[:at]):  # among torchrun's flags, before the script
+        raise _Help
     if at is None:
         raise _Usage(f"no script given\n{_USAGE}")
     if not Path(rest[at]).is_file():
@@ -211,6 +217,9 @@ def _failed_run(what: str, rc: int, log: Path) -> int:
 def main(argv: list[str]) -> int:
     try:
         args = _parse(argv)
+    except _Help:
+        print(f"{_USAGE}\n\n{__doc__}")
+        return 0
     except _Usage as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -45,10 +45,13 @@ def updater(algorithm: str) -> Callable[[Any, int], int]:
 
 
 def checksum_of(stream: IO[bytes], algorithm: str = DEFAULT) -> tuple[int, int]:
-    """(checksum, size) of everything left in `stream`, read in chunks."""
+    """(checksum, size) of everything left in `stream`, read in chunks into one buffer
+    (not a fresh one per chunk)."""
     update = updater(algorithm)
     value, size = 0, 0
-    while chunk := stream.read(_CHUNK):
-        value = update(chunk, value)
-        size += len(chunk)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while n := stream.readinto(buf):  # type: ignore[attr-defined]
+        value = update(view[:n], value)
+        size += n
     return value, size

@@ -3,15 +3,21 @@
 Transient: timeouts, connection resets, 5xx and throttling (S3 codes, HTTP statuses, errno
 values, and the exception names of the layers below botocore). Never: missing things (404,
 NoSuchBucket), refused credentials or permissions (403), a full or read-only disk.
+
+A configuration problem (what a Backend's `explain` recognises) becomes one StorageError line
+that names the location and the fix (`location_error`), marked so that no layer above says it
+twice.
 """
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 
+from resilient.errors import StorageError
 from resilient.storage import s3
 
-__all__ = ["is_retryable"]
+__all__ = ["is_explained", "is_retryable", "location_error"]
 
 # errno values worth retrying on a local or network filesystem; ENOSPC, EACCES, EROFS are not.
 # EBUSY and EREMOTEIO are what s3fs turns S3's 503 SlowDown and 500 InternalError into.
@@ -85,3 +91,33 @@ def is_retryable(exc: BaseException) -> bool:
     ):
         return True
     return isinstance(exc, OSError) and exc.errno in _RETRYABLE_ERRNO
+
+
+_HINT = "_resilient_hint"
+"""Attribute of a StorageError whose message already says how to fix its cause."""
+_CAUSE_CHARS = 240
+"""Most characters of the underlying error quoted before a recognised problem's fix."""
+_FALLBACK_FIX = (
+    "Create it with write permission for this user, or point checkpoint_dir at a writable location."
+)
+
+
+def location_error(
+    what: str, exc: BaseException, hint: str | None, redact: Callable[[str], str]
+) -> StorageError:
+    """One line: `what` happened, because of `exc`, and `hint` (else a generic fix); redacted.
+
+    With a `hint` (a configuration problem recognised), the error is marked explained: the
+    layers above add no second hint and do not wrap it again."""
+    cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if hint is not None and len(cause) > _CAUSE_CHARS:  # the hint says what matters
+        cause = cause[:_CAUSE_CHARS] + "..."
+    err = StorageError(redact(f"{what} ({cause}). {hint or _FALLBACK_FIX}"))
+    if hint is not None:
+        setattr(err, _HINT, hint)
+    return err
+
+
+def is_explained(exc: BaseException) -> bool:
+    """Whether `exc` is a StorageError of `location_error` that names the fix already."""
+    return getattr(exc, _HINT, None) is not None

@@ -211,10 +211,37 @@ def explain(exc: BaseException, url: str, endpoint: str | None) -> str | None:
             f"bucket {bucket!r} is in another region. Set AWS_REGION/AWS_DEFAULT_REGION or "
             "client_kwargs={'region_name': ...} in storage_options."
         )
-    if any(type(e).__name__ == "NoCredentialsError" for e in _chain(exc)):
+    names = {type(e).__name__: e for e in _chain(exc)}
+    if "NoCredentialsError" in names:
         return (
-            "No AWS credentials were found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE, or key/secret in storage_options."
+            "No AWS credentials were found (looked in AWS_* variables, AWS_PROFILE, "
+            "~/.aws/credentials and ~/.aws/config). Set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (plus AWS_SESSION_TOKEN for temporary ones), or AWS_PROFILE, "
+            "or key/secret in storage_options."
+        )
+    if "PartialCredentialsError" in names:
+        return (
+            f"The AWS credentials are incomplete ({names['PartialCredentialsError']}). Set both "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or key and secret in "
+            "storage_options."
+        )
+    if "ProfileNotFound" in names:
+        return (
+            f"{names['ProfileNotFound']} in ~/.aws/config or ~/.aws/credentials (or "
+            "AWS_CONFIG_FILE/AWS_SHARED_CREDENTIALS_FILE). Fix AWS_PROFILE, or add the profile "
+            "(aws configure --profile NAME)."
+        )
+    if "CredentialRetrievalError" in names:
+        return (
+            "The AWS credentials could not be fetched from their provider (a credential_process, "
+            "SSO or role). Check AWS_PROFILE and its settings in ~/.aws/config, or set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."
+        )
+    if "ParamValidationError" in names and "bucket name" in str(names["ParamValidationError"]):
+        return (
+            f"{bucket!r} is not a valid S3 bucket name. Write the location as s3://BUCKET/PREFIX, "
+            "with credentials in AWS_* variables, AWS_PROFILE or storage_options, never in the "
+            "URL."
         )
     if is_connection_error(exc):
         return (

@@ -1,0 +1,1 @@
+"""Weights in and out of resilient checkpoints: export, load_model, init_from."""
