@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "ConfigError",
+    "NumericalFaultError",
     "ResilientError",
     "StorageError",
 ]
@@ -34,3 +35,8 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint does not fit the tracked state (another model, missing or extra keys)."""
+
+
+class NumericalFaultError(ResilientError):
+    """Training state or a checkpoint holds a non-finite value (NaN or inf), or a loss spiked
+    past its threshold; the message names the step, the rank and what was seen."""

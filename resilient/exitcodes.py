@@ -29,6 +29,7 @@ class ExitCode(enum.IntEnum):
     RANK_EXCEPTION = 84
     PREEMPTED = 85
     CRASH_LOOP = 86
+    NUMERICAL_FAULT = 87
     RESTARTS_EXHAUSTED = 88
     USAGE = 2
     """Python's and argparse's usage-error code, kept for `resilient run`'s own checks."""
@@ -61,6 +62,12 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.CRASH_LOOP: (
         "resilient run: consecutive restarts made no checkpoint progress; the supervisor "
         "report names the repeating failure. Do not requeue: fix the cause"
+    ),
+    ExitCode.NUMERICAL_FAULT: (
+        "a non-finite loss, gradient or checkpoint value (or a loss spike) came back on the "
+        "same step with the same inputs: the data or the model, not the hardware. The "
+        "numeric.fault events name the step, rank and batch; every good checkpoint is kept. "
+        "Do not requeue: fix the data or the model, or skip the batch (numeric policy)"
     ),
     ExitCode.RESTARTS_EXHAUSTED: (
         "resilient run: --max-restarts restarts were used up while checkpoints still "

@@ -48,10 +48,16 @@ def prepare_dir(storage: Storage, rel: str, *, rejected: set[int], log: Any) -> 
 
 
 def write_manifest(
-    storage: Storage, step: int, world_size: int, entries: list[dict[str, tuple[int, int]]]
+    storage: Storage,
+    step: int,
+    world_size: int,
+    entries: list[dict[str, tuple[int, int]]],
+    *,
+    finite: bool | None = None,
 ) -> Manifest:
     """Commit checkpoint `step`: check that storage holds every file of `entries` (each rank's
-    {file name: (checksum, size)}) at its size, then write the manifest."""
+    {file name: (checksum, size)}) at its size, then write the manifest. `finite`: what the
+    save's check of the state found (Manifest.finite)."""
     rel = step_dir(step)
     files: dict[str, FileEntry] = {}
     for per_rank in entries:
@@ -74,6 +80,7 @@ def write_manifest(
         files=files,
         torch_version=torch.__version__,
         resilient_version=__version__,
+        finite=finite,
     )
     storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
     return manifest

@@ -89,6 +89,30 @@ class Loader:
             return None
         return manifest
 
+    def verify(self, step: int, manifest: Manifest) -> list[str]:
+        """This rank's share of a full read of checkpoint `step`'s files against `manifest`
+        (`resilient verify`); the problems found, [] when its files are valid."""
+        problems = []
+        names = sorted(manifest.files)
+        for i, name in enumerate(names):
+            if i % self.world_size != self.rank:
+                continue
+            want = manifest.files[name]
+            rel = f"{step_dir(step)}/{name}"
+            algo = manifest.checksum
+            try:
+                value, size = self.storage.checksum(rel, algorithm=algo)
+            except FileNotFoundError:
+                problems.append(f"{name}: missing (expected {want.size} bytes)")
+                continue
+            if size != want.size:
+                problems.append(f"{name}: size {size} != expected {want.size} (truncated or torn)")
+            elif value != want.checksum:
+                problems.append(
+                    f"{name}: {algo} {value:08x} != expected {want.checksum:08x} (corrupt)"
+                )
+        return problems
+
     def _open(self, step: int, manifest: Manifest) -> tuple[Any, Verifier, Any]:
         """A verifying reader of checkpoint `step` and its DCP metadata, checked and agreed
         by every rank before it is unpickled."""

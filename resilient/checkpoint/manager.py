@@ -6,8 +6,9 @@ from a background thread while training runs its own (docs/internals.md#g-async-
 
 The manager runs each save from capture to commit and picks the checkpoint to load; its parts
 are modules beside it: the save thread and stager (pipeline.py), the two ends of the commit
-(commit.py), loading one checkpoint (loading.py), and listing and deleting checkpoints
-(retention.py).
+(commit.py), the check for non-finite values before anything is written (finite.py), the
+record of numerical faults (faults.py), loading one checkpoint (loading.py), and listing and
+deleting checkpoints (retention.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from resilient.checkpoint._dcp_write import make_writer
 from resilient.checkpoint.collectives import Collectives
 from resilient.checkpoint.commit import prepare_dir, write_manifest
 from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
+from resilient.checkpoint.faults import note_fault, read_faults
+from resilient.checkpoint.finite import check_agreed
 from resilient.checkpoint.loading import Loader
 from resilient.checkpoint.manifest import Manifest, read_manifest, step_dir
 from resilient.checkpoint.pipeline import SavePipeline
@@ -73,6 +76,7 @@ class CheckpointManager:
         # Steps that failed verification in load_latest: a later save of the same step
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
+        self._kept_good: set[int] = set()  # steps retention said it keeps before a fault
         if config.async_save:
             self._saves.start_threads()
 
@@ -93,26 +97,7 @@ class CheckpointManager:
 
         A separate full read of the files (`resilient verify`); loading checks the files from
         the bytes it loads instead (resilient/checkpoint/_dcp_read.py)."""
-        problems = []
-        names = sorted(manifest.files)
-        for i, name in enumerate(names):
-            if i % self.world_size != self.rank:
-                continue
-            want = manifest.files[name]
-            rel = f"{step_dir(step)}/{name}"
-            algo = manifest.checksum
-            try:
-                value, size = self.storage.checksum(rel, algorithm=algo)
-            except FileNotFoundError:
-                problems.append(f"{name}: missing (expected {want.size} bytes)")
-                continue
-            if size != want.size:
-                problems.append(f"{name}: size {size} != expected {want.size} (truncated or torn)")
-            elif value != want.checksum:
-                problems.append(
-                    f"{name}: {algo} {value:08x} != expected {want.checksum:08x} (corrupt)"
-                )
-        return problems
+        return self._loader.verify(step, manifest)
 
     # ---------------------------------------------------------------- save
     def save(self, state: TrainState, step: int, *, blocking: bool | None = None) -> None:
@@ -122,6 +107,10 @@ class CheckpointManager:
         must call `wait_staged()` before mutating parameters or optimizer state (the runtime
         does this from an optimizer pre-step hook). A previous save in flight is waited for
         first. Raises CheckpointError if a previous async save failed.
+
+        The model and optimizer state is checked finite first, agreed by all ranks: a NaN or
+        an infinity raises NumericalFaultError on every rank with nothing written, never
+        retried nor "continue"d (resilient/checkpoint/finite.py; async: on the save thread).
 
         A blocking save returns at its commit: the deletion of checkpoints beyond keep_last
         runs on the manager's thread, and `wait()`, the next save, a load and `close()` wait
@@ -177,14 +166,36 @@ class CheckpointManager:
         the save's error, if any."""
         return self._saves.wait()
 
+    def settle(self) -> None:
+        """Wait for the save in flight and its retention to end, leaving its outcome (an
+        error) to `wait()`."""
+        self._saves.settle()
+
     @property
     def in_flight(self) -> bool:
         return self._saves.in_flight
+
+    def note_numerical_fault(self, step: int, **details: Any) -> int:
+        """Record a numerical fault at `step` (and `details`) in the location's
+        numerical_faults.json, appended to earlier attempts' (faults.py); return the first
+        fault step recorded there, before which retention keeps the newest checkpoint.
+
+        A collective, after the save in flight has ended (its outcome stays for `wait()`).
+        An unreadable record raises CheckpointError naming the file, and is left as it is."""
+        self.settle()
+        return note_fault(self.storage, self.collectives, step, details, self._log)
+
+    def numerical_faults(self) -> builtins.list[int]:
+        """The steps of the faults recorded in this location (rank 0 reads; a collective)."""
+        return self.collectives.agree(lambda: [int(f["step"]) for f in read_faults(self.storage)])
 
     def _write_and_commit(
         self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float, on_loop: bool
     ) -> int | None:
         rel = step_dir(step)
+        # Before anything is written, and outside the handling of storage failures below: a
+        # non-finite state is never a failed save to retry or to train past.
+        check_s = check_agreed(sd, step, self.collectives, self._log, self.last_committed)
         try:
             # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
             with self.storage.budget(self.config.retry.save_budget_s):
@@ -210,7 +221,9 @@ class CheckpointManager:
                 written = time.perf_counter()
                 entries = self.collectives.gather_all(writer.file_checksums)
                 manifest = self.collectives.agree(
-                    lambda: write_manifest(self.storage, step, self.world_size, entries)
+                    lambda: write_manifest(
+                        self.storage, step, self.world_size, entries, finite=True
+                    )
                 )
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped
         # unlogged and uncounted.
@@ -242,10 +255,16 @@ class CheckpointManager:
             seconds=round(done - t0, 4),
             write_s=round(written - staged_at, 4),
             commit_s=round(done - written, 4),
+            finite_check_s=round(check_s, 4),
         )
         if self.rank == 0:
             retain = functools.partial(
-                retain_logged, self.storage, self.config.keep_last, step, self._log
+                retain_logged,
+                self.storage,
+                self.config.keep_last,
+                step,
+                self._log,
+                said=self._kept_good,
             )
             if on_loop:  # a blocking save returns at its commit; deleting can wait
                 self._saves.submit_retention(retain)

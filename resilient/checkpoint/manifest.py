@@ -7,6 +7,11 @@ writes, bit flips), not tampering: it is not a signature.
 
 Format 2 (now): `"checksum": "crc32c"`, files as `{"size": N, "crc32c": V}`. Format 1:
 `"checksum": "crc32"`, files as `{"size": N, "crc32": V}`. Both are read.
+
+`"finite": true` says that every floating-point value of the model and optimizer state was
+checked finite before the save wrote it (resilient/checkpoint/finite.py). It came after
+format 2 without a new format number: readers ignore a key they do not know, and a manifest
+without it (written before the check existed) reads as `finite=None`, unknown.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     checksum: str = DEFAULT
     """The algorithm of every FileEntry.checksum (resilient.storage.checksum.ALGORITHMS)."""
+    finite: bool | None = None
+    """True: every floating-point tensor of the model and optimizer state was checked finite
+    before it was written. None: not known (a manifest written before the check existed)."""
 
     @property
     def total_bytes(self) -> int:
@@ -101,6 +109,9 @@ class Manifest:
                     f"{where}: manifest checksum {algorithm!r} is not supported (this resilient "
                     f"knows {sorted(ALGORITHMS)}); load it with the resilient version that wrote it"
                 )
+            finite = d.get("finite")
+            if finite is not None and not isinstance(finite, bool):
+                raise TypeError(f"finite is {finite!r}, not true, false or null")
             files = {
                 str(k): FileEntry(size=int(v["size"]), checksum=int(v[algorithm]))
                 for k, v in d["files"].items()
@@ -115,6 +126,7 @@ class Manifest:
                 user=dict(d.get("user", {})),
                 format_version=int(version),
                 checksum=algorithm,
+                finite=finite,
             )
         except CheckpointCorruptError:
             raise

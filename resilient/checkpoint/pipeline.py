@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -73,6 +74,14 @@ class SavePipeline:
             retention, self._retention = self._retention, None
             if retention is not None:
                 retention.result()  # never raises: retention.retain_logged logs instead
+
+    def settle(self) -> None:
+        """Block until the save in flight and its retention are done, leaving the save's
+        outcome (its error) to `wait()`: what a collective of the training thread waits for
+        on the manager's group, where the save's thread runs collectives too."""
+        running: list[Future[Any]] = [f for f in (self._pending, self._retention) if f]
+        if running:
+            wait_futures(running)
 
     @property
     def in_flight(self) -> bool:

@@ -9,7 +9,7 @@ process group in the same order (they agree through `collectives`).
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from resilient.checkpoint.collectives import Collectives
@@ -57,6 +57,15 @@ class CheckpointStore(Protocol):
 
     def wait(self) -> int | None:
         """Wait for the save in flight; its committed step, or None."""
+
+    def note_numerical_fault(self, step: int, **details: Any) -> int:
+        """Record a numerical fault detected at `step` beside the checkpoints (every tier);
+        the first fault step recorded there. Retention then keeps the newest checkpoint
+        from before it. CheckpointError when the record there cannot be read."""
+
+    def numerical_faults(self) -> builtins.list[int]:
+        """The steps of the numerical faults recorded beside the checkpoints (every tier),
+        as rank 0 reads them (a collective)."""
 
     def load_latest(self, state: TrainState) -> int | None:
         """Load the newest checkpoint that verifies; its step, or None (a fresh start)."""

@@ -186,6 +186,18 @@ class TieredCheckpointManager:
         done = [s for s in steps if s is not None]
         return max(done) if done else None
 
+    def note_numerical_fault(self, step: int, **details: Any) -> int:
+        """Record a numerical fault at `step` in both tiers (the durable one first), so each
+        tier's retention keeps its newest checkpoint from before the first fault; the first
+        fault step recorded in either. Raises as CheckpointManager.note_numerical_fault."""
+        for m in self.tiers.values():  # no save thread may run collectives beside ours
+            m.settle()
+        return min(m.note_numerical_fault(step, **details) for m in (self.remote, self.local))
+
+    def numerical_faults(self) -> builtins.list[int]:
+        """The fault steps recorded in either tier."""
+        return sorted({s for m in (self.remote, self.local) for s in m.numerical_faults()})
+
     # ---------------------------------------------------------------- load
     def load_latest(self, state: TrainState) -> int | None:
         """Load the newest checkpoint of either tier that verifies; return its step.

@@ -2,8 +2,9 @@
 
 `Supervisor` is the agent's hooks (resilient/supervisor/agent.py): it records each attempt,
 explains failures from the workers' event logs, decides between restarting (after a backoff)
-and stopping (crash loop, preemption, restarts exhausted), and keeps the run's record in
-<run_dir>/supervisor_report.json and <run_dir>/logs/supervisor.jsonl (`_supervisor_log`).
+and stopping (crash loop, preemption, a numerical fault, restarts exhausted), and keeps the
+run's record in <run_dir>/supervisor_report.json and <run_dir>/logs/supervisor.jsonl
+(`_supervisor_log`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from resilient.supervisor.report import (
     AttemptRecord,
     CheckpointProbe,
     EventLogs,
+    RankFailure,
     SupervisorReport,
     explain_failures,
     repeating_failure,
@@ -124,6 +126,9 @@ class Supervisor:
             return self._decided(
                 att, "preempted", "stop", Verdict("stop", code=int(ExitCode.PREEMPTED))
             )
+        numeric = [r for r in roots if r.exit_code == ExitCode.NUMERICAL_FAULT]
+        if numeric:
+            return self._numerical_fault(att, numeric)
         d = self.tracker.on_failure(restarts_left=restarts_left)
         if att is not None:
             att.progress = d.progress
@@ -165,6 +170,32 @@ class Supervisor:
         if att is not None:
             att.delay_s = d.delay_s
         return self._decided(att, "failed", "restart", Verdict("restart", delay_s=d.delay_s))
+
+    def _numerical_fault(self, att: AttemptRecord | None, roots: list[RankFailure]) -> Verdict:
+        """Stop with NUMERICAL_FAULT: a restart would resume from the same checkpoint with
+        the same data and meet the same non-finite value again."""
+        first = roots[0]
+        where = f" at step {first.step}" if first.step is not None else ""
+        self.report.reason = (
+            f"rank {first.rank} exited NUMERICAL_FAULT ({int(ExitCode.NUMERICAL_FAULT)}){where}: "
+            "a non-finite loss, gradient or checkpoint value that a restart from the same "
+            "checkpoint would meet again; not restarted. Fix the data or the model; every "
+            "good checkpoint is kept"
+        )
+        self.log.error(
+            "restart.numerical_fault",
+            ranks=[r.rank for r in roots],
+            step=first.step,
+            error=first.error,
+            action="stop",
+            reason=self.report.reason,
+        )
+        return self._decided(
+            att,
+            "failed",
+            "stop: numerical fault",
+            Verdict("stop", code=int(ExitCode.NUMERICAL_FAULT)),
+        )
 
     def _decided(
         self, att: AttemptRecord | None, outcome: str, action: str, verdict: Verdict

@@ -114,9 +114,12 @@ class HotReplacer:
         self, worker_group: WorkerGroup, codes: dict[int, int | None], failed: dict[int, int]
     ) -> bool:
         """Replace the one failed worker of a running group in place; False (with a
-        `recovery.cold` event, unless it was a preemption) when the group must restart."""
+        `recovery.cold` event, unless it was a preemption or a numerical fault, which are no
+        lost process) when the group must restart or stop."""
         if any(c == ExitCode.PREEMPTED for c in failed.values()):
             return False  # a coordinated stop, not a lost process
+        if any(c == ExitCode.NUMERICAL_FAULT for c in failed.values()):
+            return False  # not a lost process either: the run stops (hooks.py)
         t0 = time.monotonic()
         (lr, code), *_ = failed.items()
         reason = None
@@ -291,6 +294,8 @@ class HotReplacer:
         roots = {lr: c for lr, c in codes.items() if c != -signal.SIGTERM} or codes
         if not roots or any(c == ExitCode.PREEMPTED for c in roots.values()):
             return {}
+        if any(c == ExitCode.NUMERICAL_FAULT for c in roots.values()):
+            return roots  # no recovery at all: the run stops (hooks.py)
         (lr, code), *_ = roots.items()
         reason = f"{len(roots)} workers failed at once" if len(roots) > 1 else None
         if reason is None and self._store.generation:

@@ -206,6 +206,8 @@ def _supervise(
         return int(ExitCode.PREEMPTED), "preempted", sup.preemption_note()
     if stop_code == ExitCode.CRASH_LOOP:
         return int(stop_code), "crash loop", None
+    if stop_code == ExitCode.NUMERICAL_FAULT:
+        return int(stop_code), "numerical fault", None
     if stop_code is not None:
         return int(stop_code), "failed", None
     return int(ExitCode.RESTARTS_EXHAUSTED), "failed", "restarts exhausted"
