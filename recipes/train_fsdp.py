@@ -41,6 +41,7 @@ def main() -> None:
         _, x, y = next(batches)
         _, loss = model(x.to(device), y.to(device))
         loss.backward()
+        rt.observe(loss=loss)  # resilient: fingerprints and loss-spike checks
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

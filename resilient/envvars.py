@@ -32,6 +32,7 @@ __all__ = [
     "ENV_GENERATION",
     "ENV_GRACE_S",
     "ENV_HOT",
+    "ENV_NUMERIC",
     "ENV_PREEMPT",
     "ENV_PREEMPT_SIGNALS",
     "ENV_RUN_DIR",
@@ -109,6 +110,9 @@ the survivors). Process groups of generation g >= 1 live under their own store p
 ENV_SNAPSHOT = "RESILIENT_SNAPSHOT"
 """In-memory snapshots for in-place rollback: "1"/"on" turns them on, or a JSON object of
 SnapshotConfig fields, e.g. '{"enabled": true, "every_steps": 8}'."""
+ENV_NUMERIC = "RESILIENT_NUMERIC"
+"""Numerical-fault options: a JSON object of NumericConfig fields, e.g.
+'{"policy": "skip", "spike_factor": 3}' (resilient/numeric/config.py)."""
 
 # ---------------------------------------------------------------- torch elastic's
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"

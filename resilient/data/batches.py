@@ -156,6 +156,11 @@ class ResumableBatches:
                 return obj
         return None
 
+    def last_batch(self) -> dict[str, int]:
+        """Where the batch taken last comes from: its epoch and its index in that epoch on
+        this rank (for reports that name a batch)."""
+        return {"epoch": self.epoch, "batch": self._start + self._taken - 1}
+
     def global_position(self) -> tuple[int, int] | None:
         """(epoch, samples all ranks consumed in it), or None when the loader cannot tell
         (no repositionable DistributedSampler, or no fixed batch_size)."""

@@ -83,6 +83,24 @@ def _windows(progress: list[dict[str, Any]]) -> list[_Window]:
     return ws
 
 
+def numeric_faults(rank0: list[dict[str, Any]]) -> dict[str, Any]:
+    """The numerical faults, skipped steps and suspect ranks of a run, from rank 0's log."""
+    faults = [e for e in rank0 if e.get("event") == "numeric.fault"]
+    skipped = sorted({int(e["step"]) for e in rank0 if e.get("event") == "numeric.skip"})
+    ranges: list[tuple[int, int]] = []
+    for st in skipped:
+        if ranges and ranges[-1][1] == st - 1:
+            ranges[-1] = (ranges[-1][0], st)
+        else:
+            ranges.append((st, st))
+    strikes: dict[int, int] = {}
+    for e in rank0:
+        if e.get("event") == "numeric.transient":
+            for r in e.get("ranks", []):
+                strikes[int(r)] = strikes.get(int(r), 0) + 1
+    return {"numeric": faults, "skipped": ranges, "suspects": strikes}
+
+
 def analyze(
     run_dir: str | Path, *, mtbf_s: float | None = None, save_cost_s: float | None = None
 ) -> RunReport:
@@ -202,6 +220,7 @@ def analyze(
             if e.get("event") == ev.RESUME_VERIFIED
         ],
         replay_diverged=[e for e in events if e.get("event") == ev.RESUME_DIVERGED],
+        **numeric_faults(rank0),
     )
     if len(committed) >= 2:
         gaps = [

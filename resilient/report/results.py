@@ -75,6 +75,13 @@ class RunReport:
     """(rank, steps) of each `resume.verified`: replayed steps equal to the earlier run's."""
     replay_diverged: list[dict[str, Any]] = field(default_factory=list)
     """Each `resume.diverged`: the first replayed step that differed, on which rank, what."""
+    numeric: list[dict[str, Any]] = field(default_factory=list)
+    """Each numerical fault (rank 0's `numeric.fault`): step, origin ranks, what was seen,
+    times seen at that step, and the action (rollback, restart, skip, stop)."""
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+    """Ranges (first, last) of the steps whose update was skipped."""
+    suspects: dict[int, int] = field(default_factory=dict)
+    """rank -> transient numerical faults it was the origin of (more than one: suspect)."""
 
     @property
     def steady_goodput(self) -> float:

@@ -35,6 +35,26 @@ def format_report(rep: RunReport) -> str:
                 f"  DIVERGED: rank {d.get('rank')} at step {d.get('step')}: the "
                 f"{d.get('differed')} differ from the earlier attempt's; {d.get('causes')}"
             )
+    if rep.numeric:
+        head = "numerical fault  step  origin   " + f"{'seen':<40}  action"
+        lines += ["", head]
+        for i, e in enumerate(rep.numeric):
+            seen = "; ".join(sorted({w for ws in e.get("seen", {}).values() for w in ws}))
+            origin = ",".join(str(r) for r in e.get("origin", e.get("ranks", [])))
+            lines.append(
+                f"{i:>15}  {e.get('step', '-'):>4}  {origin:<7}  {seen[:40]:<40}  "
+                f"{e.get('action')} (seen {e.get('times_seen', 1)}x)"
+            )
+        if rep.skipped:
+            said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in rep.skipped)
+            lines.append(f"skipped steps        {said}")
+        suspect = {r: n for r, n in rep.suspects.items() if n > 1}
+        if rep.suspects:
+            lines.append(
+                "transient origins    "
+                + ", ".join(f"rank {r}: {n}" for r, n in sorted(rep.suspects.items()))
+                + (f"  SUSPECT: {sorted(suspect)}" if suspect else "")
+            )
     if rep.faults:
         lines += [
             "",

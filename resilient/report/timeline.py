@@ -43,6 +43,11 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> Path:
             ax.axvline(e["t"] - t0, color="grey", linestyle="--", linewidth=0.8)
         elif e.get("event") in (ev.ROLLBACK_DONE, ev.RECOVERY_HOT_FORMED) and r == 0:
             ax.axvline(e["t"] - t0, color="tab:purple", linestyle=":", linewidth=1.0)
+        elif e.get("event") == "numeric.fault":  # at each origin rank: what it saw
+            for o in e.get("origin", e.get("ranks", [r])):
+                ax.plot(e["t"] - t0, int(o), marker="D", color="black", markersize=6)
+        elif e.get("event") == "numeric.skip" and r == 0:
+            ax.axvline(e["t"] - t0, color="black", linestyle="-.", linewidth=0.8)
         elif e.get("event") in ev.DETECTION:
             ax.plot(e["t"] - t0, r, marker="v", color="tab:orange")
         elif e.get("event") == "chaos.fault":
@@ -57,8 +62,8 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> Path:
     ax.set_ylim(min(ranks) - 0.7, max(ranks) + 0.7)
     ax.set_xlabel("seconds since start")
     ax.set_title(
-        "steps (green), saves (blue), faults (red X), detections (orange), cold restarts "
-        "(dashed), hot recoveries (dotted)",
+        "steps (green), saves (blue), faults (red X), detections (orange), numerical faults "
+        "(black diamond), skips (dash-dot), cold restarts (dashed), hot recoveries (dotted)",
         fontsize=9,
     )
     fig.tight_layout()

@@ -17,6 +17,7 @@ from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_SCRATCH
 from resilient.errors import ConfigError
 from resilient.hang.config import WatchdogConfig
 from resilient.memory.snapshot import SnapshotConfig
+from resilient.numeric.config import NumericConfig
 from resilient.preempt.watch import PreemptConfig
 
 __all__ = ["RuntimeConfig", "build_config"]
@@ -55,6 +56,9 @@ class RuntimeConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig.from_env)
     """In-memory snapshots and in-place rollback on an agreed exception (off by default;
     resilient.memory.snapshot); init() also takes a dict. Default: $RESILIENT_SNAPSHOT."""
+    numeric: NumericConfig = field(default_factory=NumericConfig.from_env)
+    """Numerical faults: non-finite losses and gradients (checked by default), loss spikes,
+    and what a persistent one does (resilient.numeric); init() also takes a dict."""
     pin_ddp_buckets: bool = True
     """Fix a tracked DDP model's gradient buckets at track(), in parameter order, so every
     process, fresh or resumed, all-reduces with the same layout from its first step. Without
@@ -94,6 +98,17 @@ class RuntimeConfig:
             raise ConfigError(
                 "init_exclude works with init_with=('model',) only: optimizer state is kept "
                 "per parameter, so a partly loaded model cannot take the source's optimizer"
+            )
+        if (
+            self.numeric.policy == "skip"
+            and not self.snapshot.enabled
+            and self.save_every_steps is None
+            and self.save_every_seconds is None
+        ):
+            raise ConfigError(
+                "numeric policy 'skip' replays the faulty step first, from a snapshot or a "
+                "checkpoint: turn snapshots on (snapshot={'enabled': True}) or save on a "
+                "schedule (save_every_steps or save_every_seconds)"
             )
         if self.save_every_steps is not None and self.save_every_steps < 1:
             raise ConfigError(f"save_every_steps must be >= 1 or None, got {self.save_every_steps}")
@@ -143,6 +158,8 @@ def build_config(
         options["watchdog"] = WatchdogConfig.from_env(options["watchdog"])
     if isinstance(options.get("preempt"), dict):
         options["preempt"] = PreemptConfig.from_env(options["preempt"])
+    if isinstance(options.get("numeric"), dict):
+        options["numeric"] = NumericConfig.from_env(options["numeric"])
     if isinstance(options.get("snapshot"), dict):
         options["snapshot"] = SnapshotConfig.from_env(options["snapshot"])
     return RuntimeConfig(

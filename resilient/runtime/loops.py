@@ -28,8 +28,10 @@ from resilient.hang.phases import Phase
 from resilient.hang.watchdog import Watchdog
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.snapshot import Snapshots, StepCounter
+from resilient.numeric.detect import NumericWatch
 from resilient.preempt.watch import PreemptionWatch
-from resilient.replay.fingerprint import StepFingerprints
+from resilient.replay.fingerprint import ReplayCheck, StepFingerprints
+from resilient.runtime.numeric import NumericResponse
 from resilient.runtime.progress import ProgressLog
 
 if TYPE_CHECKING:
@@ -59,6 +61,8 @@ class Loops:
     _batches: ResumableBatches | None
     _progress: ProgressLog
     _fp: StepFingerprints
+    numeric: NumericWatch
+    _numeric: NumericResponse
     _last_save_time: float
 
     def _init_loops(self) -> None:
@@ -75,6 +79,16 @@ class Loops:
     if TYPE_CHECKING:  # Runtime's
 
         def resume(self) -> int: ...
+
+        _data: Any
+        _resumed: bool
+        log_path: Any
+
+        @property
+        def rank(self) -> int: ...
+
+        @property
+        def world_size(self) -> int: ...
 
         def save(self, *, blocking: bool | None = None) -> None: ...
 
@@ -124,7 +138,8 @@ class Loops:
                 self._progress.begin()
                 self._open_step(step)
                 yield step
-                if self.snapshots.pending is not None:  # agreed by the guard: every rank
+                self._numeric_check(can_roll_back=self.guards.rollback is not None)
+                if self.snapshots.pending is not None:  # agreed: every rank
                     self._open = None
                     self._progress.flush()  # the replayed steps start a new window
                     self.step = self.snapshots.roll_back()
@@ -200,6 +215,26 @@ class Loops:
         self.log.info(ev.RUNTIME_DONE, step=self.step, epoch=batches.epoch, total_epochs=n)
 
     # the pieces both loops share
+    def _resumed_at(self, step: int, *, loaded: int | None, hot: bool) -> None:
+        """What a resume sets up, from a checkpoint (`loaded`), from memory (`hot`) or from
+        nothing: the steps run again are compared with the ones logged before."""
+        self.step, self._saved_step = step, loaded
+        if self._data is not None:
+            self._data.apply()  # elastic: reposition the loader on a new world size
+        self._resumed = True
+        self._last_save_time = time.monotonic()
+        from_checkpoint = loaded is not None
+        self.log.info(
+            ev.RUNTIME_RESUME,
+            step=step,
+            from_checkpoint=from_checkpoint,
+            **({"hot": True} if hot else {}),
+        )
+        if from_checkpoint or hot:
+            self._fp.check = ReplayCheck.open(
+                self.log, self.log_path, rank=self.rank, world=self.world_size, resumed_at=step
+            )
+
     def _enter_loop(self) -> int:
         # preemption signals are ours only while the loop can act on them (preempt/watch.py)
         self.preemption.install()
@@ -212,20 +247,33 @@ class Loops:
     def _open_step(self, step: int) -> None:
         self.watchdog.step_begin(step)
         self._fp.begin(step)
+        self.numeric.begin(step)
         self._open = step
+
+    def _numeric_check(self, *, can_roll_back: bool) -> None:
+        """The open step's agreed numerical fault, if any, acted on (numeric/respond.py):
+        a rollback is left pending for the loop, a skip goes on, the rest leave the process."""
+        fault = self.numeric.end_step()
+        if fault is not None:
+            self._numeric.act(fault, can_roll_back=can_roll_back)
 
     def _close_step(self, end: int | None) -> None:
         """The open step's body finished: account for it, then save if the policy says so."""
+        if self._open is not None:  # epochs() checks here; steps() did before its rollback
+            self._numeric_check(can_roll_back=False)
         step, self._open = self._open, None
         if step is None:
             return
+        self._numeric.closed(step)
         self._progress.end(step)  # train.progress: what `resilient report` reads
         self._fp.end(step)  # step.fingerprint, and the replay check after a resume
         self.step = step + 1
         self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
         saved = (end is None or self.step < end) and self._should_save()
         if saved:
-            self.save()
+            self.save()  # checks the replicas first (sdc)
+        elif self._numeric.replicas_due(self.step):
+            self._numeric.check_replicas(self.step)
         if self.guards.rollback is not None:  # off in epochs(): a copy nothing could use
             self.snapshots.after_step(self.step, force=saved)
         if self._mark_stepped:  # the agent starts its next spare then (supervisor/hot.py)
@@ -275,6 +323,7 @@ class Loops:
         loss. On GPU it is read back later, without waiting for the device."""
         if loss is not None:
             self._fp.observe_loss(loss)
+            self.numeric.observe_loss(loss)
 
     def saves_on_schedule(self, step: int) -> bool:
         """Whether the loop's step policy saves once `step` steps are done (the time policy

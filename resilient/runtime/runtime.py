@@ -37,13 +37,15 @@ from resilient.hang.phases import Phase
 from resilient.hang.watchdog import Watchdog
 from resilient.hot import carry, reform
 from resilient.hot.recovery import HotRecovery
+from resilient.numeric.detect import NumericWatch
 from resilient.preempt.loader_workers import shield_workers
 from resilient.preempt.watch import PreemptionWatch
-from resilient.replay.fingerprint import ReplayCheck, StepFingerprints
+from resilient.replay.fingerprint import StepFingerprints
 from resilient.runtime import wiring
 from resilient.runtime.config import RuntimeConfig, build_config
 from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.loops import Loops
+from resilient.runtime.numeric import NumericResponse
 from resilient.runtime.progress import ProgressLog
 from resilient.runtime.stopping import check_preempt
 
@@ -139,6 +141,8 @@ class Runtime(Loops):
         )
         self._data: DataPosition | None = None
         self._fp = StepFingerprints(self.log, world=self.ctx.world_size)
+        self.numeric = NumericWatch(config.numeric, self.ctx)  # numerical faults (numeric/)
+        self._numeric = NumericResponse(self)
         self._init_loops()  # resilient/runtime/loops.py
         global _current
         _current = self
@@ -191,6 +195,7 @@ class Runtime(Loops):
                 "saved by parameter name)"
             )
         common: dict[str, StatefulLike] = dict(extras)
+        common["__numeric_skipped__"] = self.numeric.skipped
         if scheduler is not None:
             common["scheduler"] = scheduler
         per_rank: dict[str, StatefulLike] = {}
@@ -209,6 +214,7 @@ class Runtime(Loops):
                 self._batches, world_size=self.world_size, global_batch_size=global_batch_size
             )
             common["__data__"] = self._data
+        per_rank["__loss_mean__"] = self.numeric.loss_mean  # spike detection's running mean
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
         self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
         if model is not None and self.config.pin_ddp_buckets:
@@ -217,6 +223,7 @@ class Runtime(Loops):
             h.remove()
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
+        self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer)
         if model is not None:  # each step's first forward inputs: its fingerprint
             self._hooks.append(self._fp.attach(model))
 
@@ -241,32 +248,13 @@ class Runtime(Loops):
                 if hot.catch_up:
                     self.save()
                 return self.step
+        self._numeric.adopt_recorded()
         with self.watchdog.phase(Phase.CHECKPOINT):
             loaded = self.checkpoints.load_latest(self.state)
             if loaded is None and self.config.init_from is not None:
                 wiring.init_weights(self.config, self.state, self.ctx.checkpoint_group)
         self._resumed_at(loaded or 0, loaded=loaded, hot=False)
         return self.step
-
-    def _resumed_at(self, step: int, *, loaded: int | None, hot: bool) -> None:
-        """What a resume sets up, from a checkpoint (`loaded`), from memory (`hot`) or from
-        nothing: the steps run again are compared with the ones logged before."""
-        self.step, self._saved_step = step, loaded
-        if self._data is not None:
-            self._data.apply()  # elastic: reposition the loader on a new world size
-        self._resumed = True
-        self._last_save_time = time.monotonic()
-        from_checkpoint = loaded is not None
-        self.log.info(
-            ev.RUNTIME_RESUME,
-            step=step,
-            from_checkpoint=from_checkpoint,
-            **({"hot": True} if hot else {}),
-        )
-        if from_checkpoint or hot:
-            self._fp.check = ReplayCheck.open(
-                self.log, self.log_path, rank=self.rank, world=self.world_size, resumed_at=step
-            )
 
     def abandon(self, *, drain_s: float) -> bool:
         """Take this Runtime down after a peer was lost, without waiting on the peer: stop
@@ -304,6 +292,7 @@ class Runtime(Loops):
         self._last_save_time = time.monotonic()
         self._saved_step = self.step
         sync = blocking if blocking is not None else not self.config.checkpoint.async_save
+        self._numeric.check_replicas(self.step)  # DDP with sdc on: never save a corrupt replica
         t0 = time.perf_counter()
         with self.watchdog.phase(Phase.CHECKPOINT):
             self.checkpoints.save(self.state, self.step, blocking=blocking)

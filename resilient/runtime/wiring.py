@@ -26,6 +26,7 @@ from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigErro
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
 from resilient.memory.snapshot import Snapshots
+from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
 
 __all__ = ["fences", "open_log", "pin_ddp_buckets", "snapshots", "within"]
@@ -176,3 +177,19 @@ def init_weights(config: RuntimeConfig, state: TrainState | None, group: Any) ->
     finally:
         mgr.close()
     logger.info("init.from", source=src, kind="resilient", step=step, took=sorted(parts))
+
+
+def replicated_grads(model: nn.Module | None) -> bool:
+    """Every rank holds the same reduced gradients at optimizer.step(): a DDP model without
+    sharded (DTensor) parameters."""
+    from torch.distributed.tensor import DTensor
+
+    if model is None or not ddp_modules(model):
+        return False
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def numeric_hooks(watch: NumericWatch, model: nn.Module | None, optimizer: Any) -> list[Any]:
+    """The numerical check's hook on `optimizer.step()` (resilient/numeric/detect.py)."""
+    hook = watch.attach(optimizer, replicated=replicated_grads(model))
+    return [] if hook is None else [hook]

@@ -1,0 +1,1 @@
+"""Numerical faults: non-finite losses and gradients, loss spikes, and the response."""

@@ -1,0 +1,267 @@
+"""Seeing a numerical fault, on every rank at once, before it changes a weight.
+
+`NumericWatch` hooks the tracked optimizer's `step()`. Before the optimizer reads a gradient,
+each rank computes one norm over its own gradients (its shards under FSDP2; under DDP they
+are already all-reduced, so a NaN on one rank is a NaN on all), checks the loss the script
+observed, and, with spike detection on, compares that loss with its running mean. One small
+all-gather on the control group puts every rank's findings on every rank, so all of them
+decide alike. A step with a finding (or one listed to be skipped) has its gradients dropped
+(set to None): the optimizer then changes nothing, and the loop's end of step
+(runtime/loops.py) rolls back, skips or stops (numeric/respond.py).
+
+A loop without a tracked optimizer is checked at the end of the step instead (the loss
+only); its update has then happened, which a rollback undoes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.dist.groups import DistContext
+from resilient.numeric.config import NumericConfig
+
+__all__ = ["Fault", "NumericWatch"]
+
+_LOSS_BAD, _GRAD_BAD, _SPIKE, _LOSS, _NORM, _MEAN, _HAS = range(7)
+_WIDTH = 7
+
+
+@dataclass(slots=True)
+class Fault:
+    """What the ranks agreed they saw at `step`."""
+
+    step: int
+    ranks: list[int]
+    """The ranks that saw it (under DDP a non-finite gradient is on every rank: the loss,
+    when observed, names the one it came from)."""
+    seen: dict[int, list[str]] = field(default_factory=dict)
+    """rank -> what: "loss non-finite", "gradient non-finite", "loss spike"."""
+    loss: dict[int, float | str | None] = field(default_factory=dict)
+    """rank -> the observed loss ("nan", "inf" when not finite; None: not observed)."""
+    grad_norm: dict[int, float | str | None] = field(default_factory=dict)
+    threshold: dict[int, float | None] = field(default_factory=dict)
+    """The spike threshold in force on each rank (spike_factor x running mean)."""
+    phase: str = "optimizer"
+    """Where it was seen: "optimizer" (before step()) or "end of step"."""
+
+    @property
+    def origin(self) -> list[int]:
+        """The ranks it came from: those whose own loss was bad, else all that saw it (an
+        all-reduced gradient is bad everywhere: without an observed loss, no rank is named)."""
+        own = [r for r in self.ranks if set(self.seen.get(r, ())) - {"gradient non-finite"}]
+        return own or self.ranks
+
+    def event(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ranks": self.ranks,
+            "origin": self.origin,
+            "seen": {str(r): w for r, w in self.seen.items()},
+            "loss": {str(r): v for r, v in self.loss.items()},
+            "grad_norm": {str(r): v for r, v in self.grad_norm.items()},
+            "threshold": {str(r): v for r, v in self.threshold.items() if v is not None},
+            "phase": self.phase,
+        }
+
+
+class LossMean:
+    """The running mean of this rank's loss (a Stateful: checkpointed and snapshotted per
+    rank, so a resumed or rolled-back run judges spikes exactly as before)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.mean: float | None = None
+        self.count = 0
+
+    def update(self, loss: float) -> None:
+        a = 2.0 / (self.window + 1)
+        self.mean = loss if self.mean is None else (1 - a) * self.mean + a * loss
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.count = state["mean"], int(state["count"])
+
+
+class Skipped:
+    """The steps skipped so far (a Stateful in the common blob: every rank alike, kept on
+    every world size)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = [int(s) for s in state["steps"]]
+
+
+class NumericWatch:
+    """Per-step numerical checks, agreed across ranks (see the module doc)."""
+
+    def __init__(self, config: NumericConfig, ctx: DistContext) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.loss_mean = LossMean(config.spike_window)
+        self.skipped = Skipped()
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._step: int | None = None
+        self._loss: torch.Tensor | None = None
+        self._checked = False
+        self._fault: Fault | None = None
+        self._skip_step = False
+        self._replicated = False
+
+    @property
+    def enabled(self) -> bool:
+        c = self.config
+        return c.nonfinite or c.spike_factor is not None or bool(c.skip_steps)
+
+    def attach(self, optimizer: torch.optim.Optimizer | None, *, replicated: bool = False) -> Any:
+        """Hook `optimizer.step()`; the hook's handle (None without an optimizer).
+
+        `replicated`: every rank holds the same reduced gradients when step() runs (DDP), so
+        a non-finite gradient is seen by all ranks alike and they agree without a message;
+        the all-gather then runs only after a finding (to name its origin) or when spike
+        detection needs every rank's own loss."""
+        self._optimizer = optimizer
+        self._replicated = replicated
+        if optimizer is None or not self.enabled:
+            return None
+        return optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def begin(self, step: int) -> None:
+        self._step, self._loss, self._checked, self._fault = step, None, False, None
+        self._skip_step = step in self.config.skip_steps or step in self.skipped.steps
+
+    def observe_loss(self, loss: Any) -> None:
+        if not self.enabled or self._step is None:
+            return
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"rt.observe(loss=...) takes a scalar loss, got a tensor of shape "
+                    f"{tuple(loss.shape)}: reduce it first (loss.mean())"
+                )
+            value = loss.detach().reshape(()).float()
+        elif isinstance(loss, int | float):
+            value = torch.tensor(float(loss))
+        else:
+            raise TypeError(
+                f"rt.observe(loss=...) takes a scalar tensor or a number, got {type(loss).__name__}"
+            )
+        self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+
+    def end_step(self) -> Fault | None:
+        """The step's agreed fault (None: none). Checks now when no optimizer step did."""
+        if self.enabled and not self._checked and self._step is not None:
+            self._check(grads=None, phase="end of step")
+        fault, self._fault = self._fault, None
+        if fault is None and self._loss is not None and self.config.spike_factor is not None:
+            self.loss_mean.update(float(self._loss))
+        self._step = None  # checked: a second call in the same step finds nothing
+        return fault
+
+    @property
+    def skipping(self) -> bool:
+        """The current step's update is being skipped (listed, or skipped by the policy)."""
+        return self._skip_step
+
+    # ---------------------------------------------------------------- the check
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._step is None:  # outside the loop (a warm-up step of the script's own)
+            return
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        self._check(grads=grads, phase="optimizer")
+        if self._fault is not None or self._skip_step:
+            optimizer.zero_grad(set_to_none=True)  # step() then changes nothing
+
+    def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
+        self._checked = True
+        # the loss and the gradient norm come to the host together: one device sync a step
+        parts = [self._loss if self._loss is not None else torch.tensor(math.nan)]
+        parts.append(_norm(grads) if grads else torch.tensor(math.nan))
+        loss_t, norm_t = torch.stack([t.float().cpu() for t in parts]).double().tolist()
+        mine = torch.zeros(_WIDTH, dtype=torch.float64)
+        has_loss, has_norm = self._loss is not None, bool(grads)
+        mine[_HAS] = has_loss + 2 * has_norm
+        mine[_LOSS], mine[_NORM] = loss_t, norm_t
+        if self.config.nonfinite and has_loss and not math.isfinite(loss_t):
+            mine[_LOSS_BAD] = 1
+        if self.config.nonfinite and has_norm and not math.isfinite(norm_t):
+            mine[_GRAD_BAD] = 1
+        mean, factor = self.loss_mean.mean, self.config.spike_factor
+        mine[_MEAN] = math.nan if mean is None else mean
+        if (
+            factor is not None
+            and has_loss
+            and mean is not None
+            and self.loss_mean.count >= self.config.spike_window
+            and loss_t > factor * mean
+        ):
+            mine[_SPIKE] = 1
+        quiet = not mine[:3].any()
+        if quiet and self._replicated and grads and self.config.spike_factor is None:
+            return  # finite reduced gradients here are finite everywhere: nothing to agree
+        every = self._gather(mine)
+        ranks = [r for r in range(len(every)) if bool(every[r][:3].any())]
+        if not ranks:
+            return
+        fault = Fault(step=int(self._step or 0), ranks=ranks, phase=phase)
+        for r in ranks:
+            row = every[r].tolist()
+            fault.seen[r] = [
+                what
+                for idx, what in (
+                    (_LOSS_BAD, "loss non-finite"),
+                    (_GRAD_BAD, "gradient non-finite"),
+                    (_SPIKE, "loss spike"),
+                )
+                if row[idx]
+            ]
+            has = int(row[_HAS])
+            fault.loss[r] = _said(row[_LOSS]) if has & 1 else None
+            fault.grad_norm[r] = _said(row[_NORM]) if has & 2 else None
+            m = row[_MEAN]
+            fault.threshold[r] = None if math.isnan(m) or factor is None else factor * m
+        self._fault = fault
+
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        if not self.ctx.distributed or self.ctx.world_size == 1:
+            return mine.unsqueeze(0)
+        out = [torch.zeros_like(mine) for _ in range(self.ctx.world_size)]
+        dist.all_gather(out, mine, group=self.ctx.control_group)
+        return torch.stack(out)
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over this rank's gradients (local shards of DTensors): NaN or inf when any
+    element is. One fused pass per device (torch.nn.utils.get_total_norm, foreach where the
+    device has it); the result stays on the device."""
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    by_device: dict[Any, list[torch.Tensor]] = {}
+    for g in local:
+        by_device.setdefault(g.device, []).append(g)
+    norms = [
+        torch.nn.utils.get_total_norm(group, norm_type=2.0).float().cpu()
+        for group in by_device.values()
+    ]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _said(v: float) -> float | str:
+    """A value for an event: the number, or "nan", "inf", "-inf" (JSON has no such floats)."""
+    return v if math.isfinite(v) else str(v)

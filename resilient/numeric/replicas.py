@@ -1,0 +1,62 @@
+"""Silent data corruption between DDP replicas: their parameters must be bit-identical.
+
+Under DDP every rank holds the same parameters after every step. A flipped bit in one
+rank's memory or arithmetic breaks that silently: the run goes on, finite and wrong, and the
+corrupt rank's gradients reach every rank through the all-reduce. `replica_fingerprint` sums
+each parameter's bytes read as integers (a single flipped bit changes the sum by a power of
+two, so it never cancels); the ranks gather the sums and compare. With three or more ranks
+the majority names the odd ones; with two, nothing can tell which, and the replay after the
+rollback decides (transient, or the same again: persistent).
+
+The check runs before every durable save and every `sdc_every` steps, so every committed
+checkpoint was consistent across replicas at its step: a rollback to the newest one undoes
+the corruption exactly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resilient.dist.groups import DistContext
+
+__all__ = ["odd_ranks", "replica_fingerprint", "replicas_agree"]
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+@torch.no_grad()
+def replica_fingerprint(model: nn.Module) -> int:
+    """Sum over every parameter and buffer of its elements read as integers (int64)."""
+    total = torch.zeros((), dtype=torch.int64)
+    for t in [*model.parameters(), *model.buffers()]:
+        data = t.detach()
+        if data.numel() == 0:
+            continue
+        view = data.contiguous().view(_INT_VIEW[data.element_size()])
+        total += view.sum(dtype=torch.int64).cpu()
+    return int(total)
+
+
+def replicas_agree(model: nn.Module, ctx: DistContext) -> list[int] | None:
+    """Every rank's fingerprint when they differ, None when all agree (a collective on the
+    control group)."""
+    mine = torch.tensor([replica_fingerprint(model)], dtype=torch.int64)
+    if not ctx.distributed or ctx.world_size == 1:
+        return None
+    every = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(every, mine, group=ctx.control_group)
+    values = [int(t) for t in every]
+    return None if len(set(values)) == 1 else values
+
+
+def odd_ranks(values: list[int]) -> list[int] | None:
+    """The ranks outside a strict majority of equal fingerprints; None without one (two
+    ranks, or no value held by more than half)."""
+    value, count = Counter(values).most_common(1)[0]
+    if count * 2 <= len(values):
+        return None
+    return [r for r, v in enumerate(values) if v != value]

@@ -1,0 +1,141 @@
+"""The runtime's answer to an agreed numerical fault (the rule is numeric/respond.py).
+
+Every rank runs `act` with the same fault, so every rank takes the same branch: a rollback
+in place (left pending for the step loop), a skip (the step's update was already dropped:
+the loop goes on), a cold restart from the newest checkpoint, or a stop with
+ExitCode.NUMERICAL_FAULT. Before leaving, a save in flight (of a step before the fault) is
+waited for, so the newest good checkpoint is committed; the checkpoint location records the
+fault, so retention keeps the newest checkpoint from before it and a restart that meets it
+again knows it is persistent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resilient.dist.exits import exit_now
+from resilient.exitcodes import ExitCode
+from resilient.numeric.detect import Fault
+from resilient.numeric.replicas import odd_ranks, replicas_agree
+from resilient.numeric.respond import RESTART, ROLLBACK, SKIP, FaultLedger, decide
+
+__all__ = ["NumericResponse"]
+
+
+class NumericResponse:
+    """Acts on the faults a Runtime's NumericWatch agreed (see the module doc)."""
+
+    def __init__(self, rt: Any) -> None:
+        """`rt`: the Runtime (typed loosely: runtime.py imports this module)."""
+        self._rt = rt
+        self.ledger = FaultLedger()
+        self._ddp: bool | None = None
+        self._replaying: Fault | None = None
+        """A fault rolled back: when its step closes cleanly, it was transient."""
+
+    def adopt_recorded(self) -> None:
+        """At a resume: the faults earlier attempts recorded in the checkpoint location."""
+        try:
+            self.ledger.adopt(self._rt.checkpoints.numerical_faults())
+        except Exception as e:  # unreadable: counted from here on (the error names the file)
+            self._rt.log.warning("numeric.record_unreadable", error=str(e)[:300])
+
+    def act(self, fault: Fault, *, can_roll_back: bool) -> None:
+        rt, config = self._rt, self._rt.config.numeric
+        times = self.ledger.count(fault.step)
+        snapshots = can_roll_back and rt.snapshots.enabled
+        action = decide(
+            times_seen=times,
+            policy=config.policy,
+            skips_used=len(rt.numeric.skipped.steps),
+            max_skips=config.max_skips,
+            can_roll_back=snapshots,
+        )
+        batch = rt._batches.last_batch() if rt._batches is not None else None
+        rt.log.error("numeric.fault", **fault.event(), times_seen=times, action=action, batch=batch)
+        self._record(fault)
+        if self._replaying is not None and self._replaying.step == fault.step:
+            self._replaying = None  # it came back: not transient
+        if action == ROLLBACK:
+            if rt.snapshots.agree_rollback(fault.step, fault.origin[0]):
+                self._replaying = fault
+                return  # the step loop rolls back (snapshots.pending)
+            action = RESTART
+        if action == SKIP:
+            rt.numeric.skipped.steps.append(fault.step)
+            rt.log.warning("numeric.skip", step=fault.step, skipped=rt.numeric.skipped.steps)
+            return
+        if action == RESTART:
+            why = (
+                "a replica mismatch: snapshots may hold it, the newest checkpoint was checked"
+                if fault.phase == "replica check"
+                else "snapshots are off (snapshot={'enabled': True} rolls back in place)"
+                if not rt.snapshots.enabled
+                else "this loop cannot roll back in place (epochs(), or no snapshot held "
+                "by every rank)"
+            )
+            rt.log.warning("numeric.restart", step=fault.step, reason=why)
+            self._leave(ExitCode.RANK_EXCEPTION, fault, "restart from the newest checkpoint")
+        self._leave(ExitCode.NUMERICAL_FAULT, fault, "persistent: stopped")
+
+    def replicas_due(self, step: int) -> bool:
+        config = self._rt.config.numeric
+        return config.sdc and step % config.sdc_every == 0
+
+    def check_replicas(self, step: int) -> None:
+        """DDP with `sdc` on: every replica's parameters must be bit-identical (a collective
+        on every rank). A mismatch is a fault that no snapshot can undo (they may hold the
+        corruption): the run restarts from the newest checkpoint, checked at its save."""
+        rt = self._rt
+        model = rt.state.model
+        if not rt.config.numeric.sdc or model is None or not self._replicated():
+            return
+        values = replicas_agree(model, rt.ctx)
+        if values is None:
+            return
+        odd = odd_ranks(values)
+        ranks = odd if odd else list(range(len(values)))
+        what = "parameters differ from the other replicas" if odd else "replicas disagree"
+        fault = Fault(
+            step=step, ranks=ranks, seen={r: [what] for r in ranks}, phase="replica check"
+        )
+        rt.log.error("numeric.sdc", step=step, fingerprints=values, odd_ranks=odd)
+        self.act(fault, can_roll_back=False)
+
+    def _replicated(self) -> bool:
+        if self._ddp is None:
+            from resilient.dist.ddp import ddp_modules
+
+            model = self._rt.state.model
+            self._ddp = model is not None and bool(ddp_modules(model))
+        return self._ddp
+
+    def closed(self, step: int) -> None:
+        """Step `step` closed without a fault: a fault rolled back at it was transient."""
+        fault = self._replaying
+        if fault is not None and step == fault.step:
+            self._replaying = None
+            strikes = self.ledger.strike(fault.origin)
+            self._rt.log.warning(
+                "numeric.transient",
+                step=step,
+                ranks=fault.origin,
+                strikes=strikes,
+                suspect=[r for r, n in strikes.items() if n > 1],
+            )
+
+    def _record(self, fault: Fault) -> None:
+        try:
+            self._rt.checkpoints.note_numerical_fault(
+                fault.step, ranks=fault.ranks, seen=fault.event()["seen"]
+            )
+        except Exception as e:  # the record helps retention; the fault is handled anyway
+            self._rt.log.warning("numeric.record_failed", step=fault.step, error=str(e)[:300])
+
+    def _leave(self, code: ExitCode, fault: Fault, what: str) -> Any:
+        rt = self._rt
+        try:
+            rt.checkpoints.wait()  # a save of a step before the fault: let it commit
+        except Exception as e:
+            rt.log.warning("numeric.save_in_flight_failed", error=str(e)[:300])
+        exit_now(code, kind="numeric", step=fault.step, ranks=fault.ranks, action=what)

@@ -1,0 +1,233 @@
+"""Numerical faults (issue 27): detection agreed by every rank, and the response.
+
+The rules in milliseconds (the decision, the replica fingerprint, the options); then real
+2- and 3-rank runs of the recipes under `resilient run` on gloo, with the faults of
+chaos/faults.py: a NaN loss and a loss spike rolled back in place, a NaN rolled back cold
+without snapshots, a batch that fails every time (stop with exit code 87, or skip), a bit
+flipped in one DDP replica. Each run is compared bit for bit with the fault-free run (or with
+the run that skips the same step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from helpers import Launcher, run_cmd, run_events
+
+from resilient.errors import ConfigError
+from resilient.exitcodes import ExitCode
+from resilient.numeric.config import NumericConfig
+from resilient.numeric.detect import NumericWatch
+from resilient.numeric.replicas import odd_ranks, replica_fingerprint
+from resilient.numeric.respond import RESTART, ROLLBACK, SKIP, STOP, decide
+from resilient.runtime.config import build_config
+
+# ------------------------------------------------------------------ rules, no processes
+
+
+def test_the_response_rule() -> None:
+    one = {"policy": "stop", "skips_used": 0, "max_skips": 2}
+    assert decide(times_seen=1, can_roll_back=True, **one) == ROLLBACK
+    assert decide(times_seen=1, can_roll_back=False, **one) == RESTART
+    assert decide(times_seen=2, can_roll_back=True, **one) == STOP
+    skip = {**one, "policy": "skip"}
+    assert decide(times_seen=2, can_roll_back=True, **skip) == SKIP
+    assert decide(times_seen=2, can_roll_back=True, **{**skip, "skips_used": 2}) == STOP
+
+
+def test_a_flipped_bit_changes_the_replica_fingerprint() -> None:
+    model = torch.nn.Linear(8, 4)
+    before = replica_fingerprint(model)
+    with torch.no_grad():
+        model.weight.view(-1).view(torch.int32)[5] ^= 1 << 3
+    assert replica_fingerprint(model) != before
+    assert odd_ranks([7, 7, 9]) == [2]
+    assert odd_ranks([7, 9]) is None  # two ranks: no majority names one
+    assert odd_ranks([7, 7, 7, 9]) == [3]
+
+
+def test_bad_options_say_what_is_valid(tmp_path: Path) -> None:
+    for bad, match in (
+        ({"spike_factor": 0}, "spike_factor must be > 1"),
+        ({"spike_window": -1}, "spike_window must be >= 1"),
+        ({"policy": "ignore"}, "policy must be one of"),
+        ({"max_skips": -1}, "max_skips must be >= 0"),
+        ({"colour": 1}, "unknown numeric option"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            build_config(tmp_path, {"numeric": bad})
+    with pytest.raises(ConfigError, match="turn snapshots on"):
+        build_config(
+            tmp_path, {"numeric": {"policy": "skip"}, "save_every_steps": None}
+        )  # skip needs something to replay from
+
+
+def test_one_process_catches_a_nan_gradient_before_the_optimizer_changes_anything() -> None:
+    ctx = SimpleNamespace(distributed=False, world_size=1, rank=0, control_group=None)
+    watch = NumericWatch(NumericConfig(), ctx)  # type: ignore[arg-type]
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    watch.attach(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    watch.begin(3)
+    loss = model(torch.ones(1, 4)).sum() * math.nan
+    loss.backward()
+    watch.observe_loss(loss)
+    opt.step()
+    fault = watch.end_step()
+    assert fault is not None and fault.step == 3 and fault.origin == [0]
+    assert fault.seen[0] == ["loss non-finite", "gradient non-finite"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not opt.state  # AdamW never stepped
+    with pytest.raises(ValueError, match="scalar loss"):
+        watch.begin(4)
+        watch.observe_loss(torch.ones(3))
+
+
+# ------------------------------------------------------------------ real runs
+
+STEPS = 14
+SNAPSHOTS = {"RESILIENT_SNAPSHOT": '{"enabled": true, "every_steps": 1}'}
+SPIKES = {"spike_factor": 5, "spike_window": 3}
+
+
+def _run(
+    launcher: Launcher,
+    out: Path,
+    faults: list[str],
+    *,
+    recipe: str = "train_ddp.py",
+    nproc: int = 2,
+    numeric: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """The recipe under `resilient run` (3 restarts), faults armed by chaos.inject."""
+    specs = [a for f in ["slow@rank=0,step=999,seconds=0", *faults] for a in ("--fault", f)]
+    cmd = run_cmd(
+        "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=3",
+        "--monitor-interval=0.1", f"--run-dir={out / 'run'}", "--restart-backoff=0.1",
+        "--restart-jitter=0", "-m", "chaos.inject", *specs, "--",
+        f"recipes/{recipe}", "--steps", str(STEPS), "--save-every", "4", "--log-every", "1",
+        "--corpus-chars", "20000", "--batch-size", "8",
+        "--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run"),
+    )  # fmt: skip
+    full_env = {**(env or {}), "RESILIENT_NUMERIC": json.dumps(numeric or {})}
+    code, stdout, stderr = launcher.run(cmd, timeout=180, env=full_env)
+    if code not in (0, int(ExitCode.NUMERICAL_FAULT)):
+        pytest.fail(f"rc={code}\n{stdout[-2000:]}\n{stderr[-6000:]}")
+    return code
+
+
+def _digest(out: Path) -> str:
+    return str(json.loads((out / "run" / "final_digest.json").read_text())["digest"])
+
+
+def _faults(out: Path) -> list[dict[str, Any]]:
+    return [e for e in run_events(out / "run", "numeric.fault") if e.get("rank") == 0]
+
+
+@pytest.fixture
+def launcher() -> Any:
+    launcher = Launcher()
+    yield launcher
+    launcher.close()
+
+
+@pytest.fixture(scope="module")
+def golden_ddp(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The fault-free DDP run (snapshots and spike checks change no bit of it)."""
+    out = tmp_path_factory.mktemp("golden_ddp")
+    launcher = Launcher()
+    try:
+        assert _run(launcher, out, []) == 0
+    finally:
+        launcher.close()
+    return _digest(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_nan_and_a_spike_roll_back_in_place_bit_for_bit(
+    golden_ddp: str, launcher: Launcher, tmp_path: Path
+) -> None:
+    faults = ["nan@rank=1,step=5,phase=forward", "spike@rank=0,step=9,phase=forward,factor=50"]
+    assert _run(launcher, tmp_path, faults, numeric=SPIKES, env=SNAPSHOTS) == 0
+    assert _digest(tmp_path) == golden_ddp
+    got = [(e["step"], e["origin"], e["action"]) for e in _faults(tmp_path)]
+    assert got == [(5, [1], "rollback"), (9, [0], "rollback")]
+    spike = _faults(tmp_path)[1]
+    assert spike["seen"] == {"0": ["loss spike"]} and spike["threshold"]["0"] > 0
+    transient = run_events(tmp_path / "run", "numeric.transient")
+    assert sorted({(e["step"], tuple(e["ranks"])) for e in transient}) == [(5, (1,)), (9, (0,))]
+    assert not run_events(tmp_path / "run", "numeric.restart")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_without_snapshots_a_nan_restarts_cold_bit_for_bit(
+    golden_ddp: str, launcher: Launcher, tmp_path: Path
+) -> None:
+    assert _run(launcher, tmp_path, ["nan@rank=0,step=6,phase=forward"]) == 0
+    assert _digest(tmp_path) == golden_ddp
+    restarts = run_events(tmp_path / "run", "numeric.restart")
+    assert restarts and "snapshots are off" in restarts[0]["reason"]
+    assert [e["action"] for e in _faults(tmp_path)] == ["restart"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_batch_that_always_fails_stops_the_run_and_keeps_every_good_checkpoint(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    code = _run(launcher, tmp_path, ["bad_batch@rank=1,step=9,phase=forward"], env=SNAPSHOTS)
+    assert code == ExitCode.NUMERICAL_FAULT
+    faults = _faults(tmp_path)
+    assert [(e["step"], e["action"], e["times_seen"]) for e in faults] == [
+        (9, "rollback", 1),
+        (9, "stop", 2),
+    ]
+    assert faults[-1]["origin"] == [1] and faults[-1]["batch"] == {"epoch": 0, "batch": 9}
+    committed = sorted(p.parent.name for p in (tmp_path / "ckpt").glob("step_*/manifest.json"))
+    assert committed == ["step_000000004", "step_000000008"]  # nothing after the fault
+    inits = [e for e in run_events(tmp_path / "run", "runtime.init") if e["rank"] == 0]
+    assert len(inits) == 1  # exit code 87: never restarted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_skips_a_bad_batch_exactly_as_a_run_told_to_skip_it(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    skip = {"policy": "skip"}
+    code = _run(
+        launcher, tmp_path / "faulty", ["bad_batch@rank=0,step=7,phase=forward"],
+        recipe="train_fsdp.py", numeric=skip, env=SNAPSHOTS,
+    )  # fmt: skip
+    assert code == 0
+    told = {"skip_steps": [7]}
+    assert _run(launcher, tmp_path / "told", [], recipe="train_fsdp.py", numeric=told) == 0
+    assert _digest(tmp_path / "faulty") == _digest(tmp_path / "told")
+    skips = run_events(tmp_path / "faulty" / "run", "numeric.skip")
+    assert {e["step"] for e in skips} == {7}
+
+
+@pytest.mark.extended  # three ranks, two runs and a restart: make soak (CI's budget)
+@pytest.mark.timeout(300)
+def test_a_bit_flipped_in_one_of_three_replicas_is_named_and_undone(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    sdc = {"sdc": True, "sdc_every": 2}
+    assert _run(launcher, tmp_path / "golden", [], nproc=3, numeric=sdc) == 0
+    flip = ["bitflip@rank=2,step=6,phase=optimizer"]
+    assert _run(launcher, tmp_path / "faulty", flip, nproc=3, numeric=sdc) == 0
+    assert _digest(tmp_path / "faulty") == _digest(tmp_path / "golden")
+    sdc_events = [e for e in run_events(tmp_path / "faulty" / "run", "numeric.sdc")]
+    assert {e["step"] for e in sdc_events} == {8} and sdc_events[0]["odd_ranks"] == [2]
+    loads = run_events(tmp_path / "faulty" / "run", "ckpt.load")
+    assert {e["step"] for e in loads} == {4}  # the newest checkpoint, checked at its save
