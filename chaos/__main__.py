@@ -8,6 +8,8 @@ python -m chaos run chaos/scenarios/hot_in_process.toml   a hot-mode scenario (h
 python -m chaos summary soak.json                a soak's results as a Markdown table
 python -m chaos repeat --kind sigstop --recipe train_fsdp.py --runs 30 --seed 31 --hot
                                                 one fault kind, seeded, with hot/cold counts
+python -m chaos run chaos/scenarios/nan_hot.toml   a numerical fault (issue 27)
+python -m chaos repeat --kind bad_batch --numeric '{"policy": "skip"}' --runs 5
 
 A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
 and prints the one command that runs it again.
@@ -23,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from chaos.draw import generate, repeated
 from chaos.procs import REPO
 from chaos.runner import Result, describe, run_scenario
-from chaos.scenario import FAULT_KINDS, Scenario, generate, repeated
+from chaos.scenario import FAULT_KINDS, Scenario
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 
@@ -53,12 +56,26 @@ def main(argv: list[str] | None = None) -> int:
         default=0.25,
         help="the share of runs in hot mode (drawn from the seed; 0: cold only)",
     )
+    s.add_argument(
+        "--numeric-fraction",
+        type=float,
+        default=0.1,
+        help="the share of runs with a numerical fault instead (nan, spike, bad_batch; from "
+        "a generator of its own: the other runs keep their schedules; 0: none)",
+    )
     rep = sub.add_parser("repeat", help="one fault kind, seeded, with hot/cold counts")
     rep.add_argument("--kind", required=True, choices=sorted(FAULT_KINDS))
     rep.add_argument("--recipe", default="train_ddp.py", choices=["train_ddp.py", "train_fsdp.py"])
     rep.add_argument("--runs", type=int, default=30)
     rep.add_argument("--seed", type=int, default=0)
     rep.add_argument("--hot", action="store_true", help="hot mode (--hot-recovery)")
+    rep.add_argument(
+        "--numeric",
+        type=json.loads,
+        default=None,
+        help='RESILIENT_NUMERIC for the runs, a JSON object (e.g. \'{"policy": "skip"}\'); '
+        "a spike gets spike detection without it",
+    )
     summ = sub.add_parser("summary", help="a soak's --summary JSON as a Markdown table")
     summ.add_argument("file", type=Path)
     for q in (r, s, rep):
@@ -75,14 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "matrix":
         scenarios = [Scenario.load(f) for f in sorted(SCENARIOS.glob("*.toml"))]
     elif args.cmd == "repeat":
-        scenarios = repeated(args.kind, args.recipe, args.seed, args.runs, hot=args.hot)
+        scenarios = repeated(
+            args.kind, args.recipe, args.seed, args.runs, hot=args.hot, numeric=args.numeric
+        )
     else:
         from chaos.launch import hot_recovery_unavailable
 
         # lost-process faults in hot runs only where `resilient run --hot-recovery` exists
         hot_lost = args.hot_fraction > 0 and hot_recovery_unavailable() is None
         scenarios = generate(
-            args.seed, args.runs, hot_fraction=args.hot_fraction, hot_lost=hot_lost
+            args.seed,
+            args.runs,
+            hot_fraction=args.hot_fraction,
+            hot_lost=hot_lost,
+            numeric_fraction=args.numeric_fraction,
         )[args.first :]
     started = time.monotonic()
     jobs = max(1, getattr(args, "jobs", 1))

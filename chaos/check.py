@@ -7,9 +7,15 @@ b. each restart resumes from the newest checkpoint valid at the fault, and check
 c. no checkpoint that failed verification was ever loaded
 d. the run ended within its time bound
 e. no process of the run remains
-g. (hot mode) each fault was followed by the recovery its scenario expects: hot (rolled back
-   in place, or a warm replacement), an OOM retry in place, or cold; a hot one lost at most
-   one snapshot interval plus the copy in flight
+g. (hot mode, and every numerical fault) each fault was followed by the recovery its
+   scenario expects: hot (rolled back in place, or a warm replacement), an OOM retry in
+   place, or cold, and for a bad batch then a skip or a stop; a hot one lost at most one
+   snapshot interval plus the copy in flight
+h. (numerical faults) each was seen at its step and answered as its scenario expects (the
+   `numeric.fault` actions, a transient one's `numeric.transient`), and no step faulted that
+   no injection poisoned; a stop exited 87; no committed checkpoint holds a NaN or an
+   infinity (each one's tensors loaded and checked); the newest checkpoint from before the
+   first fault survived retention
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from chaos.check_numeric import _check_numeric
 from chaos.external import Injected
 from chaos.observe import _attempt_inits as _inits
 from chaos.observe import _attempt_steps, _epoch
 from chaos.plan import Planned, time_bound_s
 from chaos.procs import events
 from chaos.replay_check import check_replay
-from chaos.scenario import PREEMPTIONS, Scenario
+from chaos.scenario import NUMERIC, PREEMPTIONS, Scenario
 
 __all__ = ["_check"]
 
@@ -38,14 +45,20 @@ def _check(
     wall: float,
     leftover: bool,
     failures: list[str],
+    *,
+    exit_code: int | None = None,
 ) -> dict[str, str]:
     checks: dict[str, str] = {}
     run_dir = out / "run"
-    # a. bitwise equal to the golden run
+    # a. bitwise equal to the golden run (after a bad batch's skip: the skip-golden, whose
+    #    key holds the skipped steps); a run stopped by a bad batch has no final state
     digest_file = run_dir / "final_digest.json"
     final = json.loads(digest_file.read_text()) if digest_file.exists() else {}
     digest = final.get("digest")
     checks["a_bitwise_equal"] = "pass" if digest == gold["digest"] else f"fail ({digest})"
+    stop = sc.stops_at()
+    if stop is not None:
+        checks["a_bitwise_equal"] = f"n/a (stopped by the bad batch of step {stop})"
     if sc.hosts == 2:  # the world shrank: float sums differ by design; the run must finish
         shrunk = sc.nproc * (sc.hosts - 1)
         ok = final.get("step") == sc.steps and final.get("world_size") == shrunk
@@ -80,7 +93,7 @@ def _check(
         if inj.kind in ("storage_errors", "storage_latency", "disk_full") and not inj.bit:
             failures.append(f"b: {inj.kind} never reached the storage")
         if not p.restarts:
-            lost.append(_hot_lost(p, inj, rank0) if p.expect == "hot" else 0)
+            lost.append(_hot_lost(p, inj, rank0) if p.expect.split()[0] == "hot" else 0)
             continue
         k = p.attempt
         if k + 1 >= len(resumes) or (inj.completed is None and k >= len(steps)):
@@ -91,6 +104,8 @@ def _check(
             completed = inj.completed
         else:  # rank 0 prints a step when it is done
             completed = max(steps[k], default=resumes[k] - 1) + 1
+        if inj.kind in NUMERIC:  # printed, but its update was dropped: not a step done
+            completed = min(completed, p.fault.at_step)
         resumed = resumes[k + 1]
         lost.append(completed - resumed)
         before = [(t, st) for t, st in commits if t <= inj.wall_time]
@@ -132,7 +147,8 @@ def _check(
     checks["b_steps_lost"] = f"{lost} (interval {sc.save_every})" + (
         f"; over one interval allowed: {', '.join(why)}" if why else ""
     )
-    if sc.hot:  # g. the recovery each fault had, from the events
+    numeric = [p for p in planned if p.fault.kind in NUMERIC]
+    if sc.hot or numeric:  # g. the recovery each fault had, from the events
         failures += _missed_catch_ups(rank0)
         seen = _recoveries(run_dir, planned, injected)
         checks["g_recovery"] = ", ".join(
@@ -145,7 +161,7 @@ def _check(
                     f"g: {p.fault.kind} at step {p.fault.at_step}: {got}, expected {p.expect}"
                 )
         for p, n in zip(planned, lost, strict=False):
-            if p.expect == "hot" and (n is None or n > _HOT_LOST_MAX):
+            if p.expect.split()[0] == "hot" and (n is None or n > _HOT_LOST_MAX):
                 failures.append(
                     f"g: {p.fault.kind} at step {p.fault.at_step} lost {n} steps hot, more than "
                     f"{_HOT_LOST_MAX} (a snapshot every step, one copy in flight)"
@@ -183,6 +199,10 @@ def _check(
                 f"c: step {st} was damaged and the restart loaded {first[1]}, but no fallback "
                 "was logged"
             )
+    # h. numerical faults: seen and answered as expected, nothing non-finite committed, the
+    #    last good checkpoint kept
+    if numeric:
+        checks.update(_check_numeric(sc, out, numeric, rank0, exit_code, failures))
     # f. replayed steps equal the steps they replay (chaos/replay_check.py)
     checks["f_replay"], replay_failures = check_replay(run_dir)
     failures += replay_failures
@@ -195,7 +215,7 @@ def _check(
     checks["e_no_leftover"] = "fail" if leftover else "pass"
     if leftover:
         failures.append("e: processes of the run were still alive after it ended")
-    if checks["a_bitwise_equal"] not in ("pass",) and sc.hosts == 1:
+    if checks["a_bitwise_equal"] not in ("pass",) and sc.hosts == 1 and stop is None:
         failures.append(f"a: final digest {digest} != golden {gold['digest']}")
     return checks
 
@@ -259,7 +279,20 @@ def _recoveries(run_dir: Path, planned: list[Planned], injected: list[Injected])
             for t, e in evs
             if t0 <= t < t1
         )
-        if new_attempt or names & set(_COLD):
+        if p.fault.kind in NUMERIC:  # rolled back in place (hot) or restarted (cold), and a
+            # bad batch, failing again, then skipped or stopped
+            cold = new_attempt or bool(names & set(_COLD))
+            first = "cold" if cold else "hot" if names & set(_HOT) else "none"
+            if p.fault.kind == "bad_batch":
+                stopped = any(
+                    e.get("event") == "numeric.fault" and e.get("action") == "stop"
+                    for t, e in evs
+                    if t0 <= t < t1
+                )
+                then = "skip" if "numeric.skip" in names else "stop" if stopped else "none"
+                first = f"{first} then {then}"
+            out.append(first)
+        elif new_attempt or names & set(_COLD):
             out.append("cold")
         elif names & set(_HOT):
             out.append("hot")

@@ -123,14 +123,7 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         inside = [q.fault for q in plan(sc) if q.fault.kind in IN_PROCESS]
         n_before = next(i for i, f in enumerate(inside) if f is fault or f == fault)
         rec = wait_for(
-            lambda: (
-                [
-                    r
-                    for r in _chaos_records(run_dir)
-                    if r.get("source") != "runner" and r.get("repeat") is None
-                ]
-                + [None]
-            )[n_before],
+            lambda: next(iter(_first_firings(_chaos_records(run_dir))[n_before:]), None),
             timeout=sc.timeout_s,
             what=f"{fault.kind} to fire at step {fault.at_step}",
         )
@@ -214,6 +207,23 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         os.kill(pid, sig)
     _record(run_dir, kind=fault.kind, target_rank=fault.rank, pid=pid, t=t, **info)
     return Injected(**base, wall_time=t, **info)
+
+
+def _first_firings(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The in-process faults' records of their first firing, in order. A fault fired again
+    records `repeat`; a bad batch, armed afresh in every process, records again in each
+    attempt it meets: only its first record counts."""
+    out, seen = [], set()
+    for r in records:
+        if r.get("source") == "runner" or r.get("repeat") is not None:
+            continue
+        if r.get("kind") == "bad_batch":
+            where = (r.get("rank"), r.get("step"), r.get("phase"))
+            if where in seen:
+                continue
+            seen.add(where)
+        out.append(r)
+    return out
 
 
 def _record(run_dir: Path, *, t: float, **fields: Any) -> None:

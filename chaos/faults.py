@@ -17,6 +17,12 @@ A fault spec is `KIND@key=value,...`:
     oom_exit@rank=1,step=5,phase=forward     exit at once with the OOM exit code (a lost
                                              process, not an exception)
     slow@rank=2,phase=forward,seconds=0.2    sleep that long every step (a straggler)
+    nan@rank=1,step=6,phase=forward          the model's output (so its loss) is NaN in
+                                             this forward, once: a NaN loss on one rank
+    spike@rank=0,step=9,phase=forward,factor=50   the output scaled by `factor`, once
+    bad_batch@rank=1,step=7,phase=forward    as nan (or spike, with factor=...) every time
+                                             the step runs, in every attempt and generation:
+                                             a sample that fails whenever it is seen
 
 Keys: rank (default: every rank), step (default: every step), phase (default: step; any
 resilient phase name), times (how often it fires; default 1, `slow` unlimited), skip (let
@@ -57,6 +63,11 @@ KINDS = {
     "kill": "SIGKILL this process",
     "oom_exit": "os._exit(ExitCode.OOM): the process is gone, as after the OOM killer",
     "slow": "sleep `seconds` (default 0.1) each time",
+    "nan": "the tracked model's output becomes NaN in this forward (phase forward)",
+    "spike": "the tracked model's output is scaled by `factor` in this forward",
+    "bad_batch": "nan (or spike, with factor) whenever the step runs, every attempt",
+    "bitflip": "flip bit `bit` (default 20) of one element of the first parameter of the "
+    "tracked model on this rank: silent data corruption of one replica",
 }
 
 
@@ -73,6 +84,10 @@ class Fault:
     generation: int | None = 0
     """The hot-recovery generation it fires in; None: every generation."""
     seconds: float | None = None
+    factor: float | None = None
+    bit: int = 20
+    """bitflip: the bit of the element's 32-bit pattern to flip."""
+    """spike, bad_batch: the output's scale (bad_batch without it: NaN)."""
     skip: int = 0
     """Matches to let pass before firing."""
     fired: int = field(default=0, compare=False)
@@ -112,6 +127,10 @@ class Fault:
             raise torch.OutOfMemoryError(f"CUDA out of memory (chaos: injected at {where})")
         if self.kind == "raise":
             raise RuntimeError(f"chaos: injected failure at {where}")
+        if self.kind == "bitflip":
+            _flip_bit(self.bit)
+        if self.kind in ("nan", "spike", "bad_batch"):
+            _poison_next_output(self.factor if self.kind != "nan" else None, self.kind)
         if self.kind == "slow":
             time.sleep(0.1 if self.seconds is None else self.seconds)
         elif self.kind == "hang":
@@ -126,6 +145,52 @@ class Fault:
             from resilient.exitcodes import ExitCode
 
             os._exit(int(ExitCode.OOM))
+
+
+def _flip_bit(bit: int) -> None:
+    """Flip `bit` of the middle element of the tracked model's first floating-point
+    parameter on this rank, in place: the run goes on, finite, one replica apart."""
+    import torch
+
+    import resilient
+
+    model = resilient.current().state.model
+    if model is None:
+        raise RuntimeError("chaos bitflip: the runtime tracks no model")
+    p = next(q for q in model.parameters() if q.is_floating_point() and q.element_size() == 4)
+    with torch.no_grad():
+        flat = p.data.view(-1).view(torch.int32)
+        flat[flat.numel() // 2] ^= 1 << bit
+
+
+def _poison_next_output(factor: float | None, kind: str) -> None:
+    """Scale every floating-point tensor of the tracked model's next output by `factor` (NaN
+    when None), keeping autograd: the loss computed from it, and its gradients, follow. The
+    hook goes on the model the runtime tracks (resilient.current()), whose phase hook fired
+    this fault, so it runs after this very forward and removes itself."""
+    import torch
+
+    import resilient
+
+    model = resilient.current().state.model
+    if model is None:
+        raise RuntimeError(f"chaos {kind}: the runtime tracks no model")
+    scale = float("nan") if factor is None else factor
+
+    def poison(out: Any) -> Any:
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            return out * scale
+        if isinstance(out, tuple | list):
+            return type(out)(poison(o) for o in out)
+        if isinstance(out, dict):
+            return {k: poison(v) for k, v in out.items()}
+        return out
+
+    def hook(_module: Any, _args: Any, output: Any) -> Any:
+        handle.remove()
+        return poison(output)
+
+    handle = model.register_forward_hook(hook)
 
 
 def _record(kind: str, rank: int, step: int, phase: str, repeat: int | None = None) -> None:
@@ -161,14 +226,18 @@ def parse(spec: str) -> Fault:
     fields: dict[str, Any] = {"kind": kind.strip().lower()}
     if fields["kind"] == "slow":
         fields["times"] = None
+    if fields["kind"] == "bad_batch":  # a property of the data: every time, every attempt
+        fields.update(times=None, restart=None, generation=None)
+    if fields["kind"] == "spike":
+        fields.setdefault("factor", 1000.0)
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"fault spec {spec!r}: {item!r} is not key=value")
         key, value = key.strip(), value.strip()
-        if key in ("rank", "step", "times", "restart", "skip", "generation"):
+        if key in ("rank", "step", "times", "restart", "skip", "generation", "bit"):
             fields[key] = None if value in ("any", "*") else int(value)
-        elif key == "seconds":
+        elif key in ("seconds", "factor"):
             fields[key] = float(value)
         elif key == "phase":
             fields[key] = value.lower()

@@ -18,9 +18,17 @@ from chaos.plan import _WATCHDOG, Planned
 from chaos.procs import REPO, Run
 from chaos.scenario import Scenario
 from chaos.storage import LoopbackS3, SmallDisk
-from resilient.envvars import ENV_PREEMPT, ENV_SNAPSHOT, ENV_WATCHDOG
+from resilient.envvars import ENV_NUMERIC, ENV_PREEMPT, ENV_SNAPSHOT, ENV_WATCHDOG
 
-__all__ = ["_CHAOS_ENV", "_HOT_ENV", "_Env", "_launch_cmd", "golden", "hot_recovery_unavailable"]
+__all__ = [
+    "_CHAOS_ENV",
+    "_HOT_ENV",
+    "_Env",
+    "_launch_cmd",
+    "golden",
+    "hot_recovery_unavailable",
+    "numeric_env",
+]
 
 
 _CHAOS_ENV = {
@@ -77,7 +85,13 @@ def _spec(p: Planned) -> str:
         kind, phase = "kill", "snapshot"
     elif kind == "kill_during_replication":
         kind, phase = "kill", "replicate"
+    elif kind == "bad_batch":  # the data's fault: whenever the step runs, in every attempt
+        extra, gen = ",restart=any", "any"
+    if f.factor is not None:  # spike, bad_batch: the output's scale (chaos/faults.py)
+        extra += f",factor={f.factor:g}"
     where = f"rank={f.rank},step={f.at_step},phase={phase}"
+    if kind == "bad_batch":
+        return f"--fault={kind}@{where},generation={gen}{extra}"
     return f"--fault={kind}@{where},restart={p.restart},generation={gen}{extra}"
 
 
@@ -155,8 +169,17 @@ def golden(sc: Scenario, cache: Path) -> dict[str, Any]:
     with _GOLDEN_GUARD:
         lock = _GOLDEN_LOCKS.setdefault(out, threading.Lock())
     with lock:  # a two-host scenario compares with the same world on one host
-        clean = dataclasses.replace(sc, nproc=sc.nproc * sc.hosts, hosts=1, faults=[])
+        # numeric settings change no bits, but the steps the faulty run skips (skip-golden)
+        skips = {"skip_steps": sc.skip_steps()} if sc.skip_steps() else {}
+        clean = dataclasses.replace(
+            sc, nproc=sc.nproc * sc.hosts, hosts=1, faults=[], numeric=skips
+        )
         return _golden(clean, out, sc.splits())
+
+
+def numeric_env(sc: Scenario) -> dict[str, str]:
+    """RESILIENT_NUMERIC for a run of `sc` (none when the scenario sets nothing)."""
+    return {ENV_NUMERIC: json.dumps(sc.numeric)} if sc.numeric else {}
 
 
 def _golden(sc: Scenario, out: Path, splits: list[tuple[int, int]]) -> dict[str, Any]:
@@ -167,7 +190,8 @@ def _golden(sc: Scenario, out: Path, splits: list[tuple[int, int]]) -> dict[str,
         return dict(json.loads(done.read_text()))
     shutil.rmtree(out, ignore_errors=True)
     cmd = _launch_cmd(sc, out, str(out / "ckpt"), 0, [], splits=splits)
-    with Run(cmd, log_path=out / "stdout.log", env=_CHAOS_ENV) as run:
+    env = {**_CHAOS_ENV, **numeric_env(sc)}
+    with Run(cmd, log_path=out / "stdout.log", env=env) as run:
         rc = run.wait(sc.timeout_s)
         if rc != 0:
             raise RuntimeError(f"golden run failed ({rc}): {run.output()[-2000:]}")

@@ -71,14 +71,17 @@ class Planned:
 
     @property
     def restarts(self) -> bool:
-        """Ends the attempt: a cold restart of the group (or, for a preemption, a relaunch)."""
-        return self.expect == "cold"
+        """Ends the attempt: a cold restart of the group (or, for a preemption, a relaunch);
+        a bad batch in cold mode restarts once before its skip or stop ("cold then skip")."""
+        return self.expect == "cold" or self.expect.startswith("cold then ")
 
 
 def plan(sc: Scenario) -> list[Planned]:
     out, launch, restart, attempt, gen = [], 0, 0, 0, 0
     for f in sorted(sc.faults, key=lambda f: f.at_step):
-        p = Planned(f, launch, restart, attempt, expected_recovery(f, sc.hot, sc.recipe), gen)
+        policy = "skip" if f.at_step in sc.skip_steps() else "stop"  # for a bad batch
+        expect = expected_recovery(f, sc.hot, sc.recipe, policy=policy)
+        p = Planned(f, launch, restart, attempt, expect, gen)
         out.append(p)
         if f.kind in PREEMPTIONS:
             launch, restart, attempt, gen = launch + 1, 0, attempt + 1, 0

@@ -24,7 +24,15 @@ from typing import Any
 
 from chaos.check import _check
 from chaos.external import Injected, _inject
-from chaos.launch import _CHAOS_ENV, _HOT_ENV, _Env, _launch_cmd, golden, hot_recovery_unavailable
+from chaos.launch import (
+    _CHAOS_ENV,
+    _HOT_ENV,
+    _Env,
+    _launch_cmd,
+    golden,
+    hot_recovery_unavailable,
+    numeric_env,
+)
 from chaos.netns import Hosts, netns_unavailable
 from chaos.observe import _inits
 from chaos.plan import plan
@@ -90,6 +98,7 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
         proc_env = dict(_CHAOS_ENV)
         if sc.hot:
             proc_env.update(_HOT_ENV)
+        proc_env.update(numeric_env(sc))  # RESILIENT_NUMERIC: policy, spike detection
         if sc.storage == "s3":
             env.s3 = stack.enter_context(LoopbackS3())
             env.ckpt_url = env.s3.url()
@@ -115,7 +124,7 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
                 try:
                     for p in here:
                         injected.append(_inject(p, env, run))
-                    rc: int | None = run.wait(max(1.0, sc.timeout_s - (time.monotonic() - started)))
+                    rc = run.wait(max(1.0, sc.timeout_s - (time.monotonic() - started)))
                 except TimeoutError as e:
                     rc = None
                     failures.append(f"d: {e}")
@@ -128,14 +137,18 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
                 if group_alive(run.proc.pid):
                     leftover.append(run.proc.pid)
             rcs.append(rc)
-            expected = 0 if launch == launches - 1 else int(ExitCode.PREEMPTED)
+            # the last launch ends the run: 0, or NUMERICAL_FAULT (87) after a bad batch's stop
+            expected = sc.expected_exit if launch == launches - 1 else int(ExitCode.PREEMPTED)
             if rc is None:
                 break
             if rc != expected:
                 failures.append(f"launch {launch} exited with {rc}, expected {expected}")
                 break
     wall = time.monotonic() - started
-    checks = _check(sc, out, gold, planned, injected, wall, bool(leftover), failures)
+    last_rc = rcs[-1] if rcs else None
+    checks = _check(
+        sc, out, gold, planned, injected, wall, bool(leftover), failures, exit_code=last_rc
+    )
     result = Result(
         scenario=sc.name,
         ok=not failures,

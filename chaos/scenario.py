@@ -16,7 +16,6 @@ A seeded generator makes random schedules for soak runs.
 from __future__ import annotations
 
 import dataclasses
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,10 @@ __all__ = [
     "HOT_KINDS",
     "HOT_ONLY",
     "LOST_PROCESS",
+    "NUMERIC",
     "Fault",
     "Scenario",
     "expected_recovery",
-    "generate",
-    "repeated",
     "replaces_process",
 ]
 
@@ -67,8 +65,18 @@ FAULT_KINDS = {
     "kill_during_replication": "one worker SIGKILLs itself while its snapshot after step "
     "`at_step` goes to its buddy (FSDP2 under hot recovery): the buddy's replica of it is "
     "incomplete",
+    "nan": "the model's output (so the loss) becomes NaN in one rank's forward of `at_step`, "
+    "once: a transient numerical fault, rolled back in place (hot) or restarted (cold)",
+    "spike": "the model's output is scaled by `factor` (default 1000) in one rank's forward "
+    "of `at_step`, once: a loss spike (needs numeric.spike_factor below the spike)",
+    "bad_batch": "NaN (or a spike by `factor`) in that forward every time step `at_step` "
+    "runs, in every attempt: a persistent numerical fault; numeric policy skip drops the "
+    "step's update and goes on, stop ends the run with ExitCode.NUMERICAL_FAULT (87)",
 }
-IN_PROCESS = {
+NUMERIC = {"nan", "spike", "bad_batch"}
+"""Numerical faults (issue 27): the model's output poisoned in one forward; the runtime's
+numeric checks see them before `optimizer.step()` (resilient/numeric/)."""
+IN_PROCESS = NUMERIC | {
     "raise",
     "oom",
     "hang",
@@ -114,12 +122,21 @@ _IN_STEP = ("forward", "backward")
 """Where rt.micro_batches can catch an in-process fault (the guard's in-place agreement)."""
 
 
-def expected_recovery(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> str:
+def expected_recovery(
+    f: Fault, hot: bool, recipe: str = "train_ddp.py", *, policy: str = "stop"
+) -> str:
     """What must follow fault `f`: "hot" (rolled back in place, or a warm replacement),
     "retry" (the OOM guard retried the batch in smaller parts), "cold" (a restart of the
-    group) or "none" (a storage fault retried inside the save)."""
+    group) or "none" (a storage fault retried inside the save). A `bad_batch` fails its step
+    again after the first recovery (hot or cold): "hot then skip", "cold then stop" and so
+    on, the second word from the numeric `policy`."""
     if f.kind in NO_RESTART:
         return "none"
+    if f.kind in NUMERIC:  # no exception: the step loop rolls back (snapshots on) or leaves
+        first = "hot" if hot else "cold"
+        if f.kind == "bad_batch":
+            return f"{first} then {'skip' if policy == 'skip' else 'stop'}"
+        return first
     if not hot or f.kind in ("raise_twice", "kill_with_buddy"):
         return "cold"
     if f.kind in ("raise", "oom"):
@@ -131,8 +148,9 @@ def expected_recovery(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> str:
 
 def replaces_process(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> bool:
     """Fault `f` is recovered hot by a new process in its rank's place (a new generation):
-    a lost process, or an in-process fault that no in-place agreement catches."""
-    if expected_recovery(f, hot, recipe) != "hot":
+    a lost process, or an in-process fault that no in-place agreement catches. A numerical
+    fault never is: every rank rolls back in place, at the end of its step."""
+    if f.kind in NUMERIC or expected_recovery(f, hot, recipe) != "hot":
         return False
     return f.kind in LOST_PROCESS or f.phase not in _IN_STEP or recipe == "train_fsdp.py"
 
@@ -152,10 +170,20 @@ class Fault:
     """For storage faults: how many requests fail or are held."""
     seconds: float = 1.0
     """For storage_latency: how long each request is held."""
+    factor: float | None = None
+    """For spike and bad_batch: the scale of the model's output in the poisoned forward
+    (spike: 1000 when not given; bad_batch without it: NaN)."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(FAULT_KINDS)}")
+        if self.kind in NUMERIC and self.phase != "forward":
+            raise ValueError(
+                f"{self.kind} poisons the model's output: phase must be forward, got {self.phase!r}"
+            )
+        spiky = self.kind in ("spike", "bad_batch")
+        if self.factor is not None and (not spiky or self.factor <= 1):
+            raise ValueError(f"factor is for spike and bad_batch, and > 1 (got {self.factor})")
         if self.at_step < 1:
             raise ValueError(f"at_step must be >= 1, got {self.at_step}")
         if self.phase not in _PHASES:
@@ -167,6 +195,17 @@ class Fault:
     def restarts(self) -> bool:
         """Ends the attempt: the group restarts (or, for a preemption, is launched again)."""
         return self.kind not in NO_RESTART
+
+    @property
+    def spike_scale(self) -> float | None:
+        """The output's scale when this fault is a loss spike (None: NaN, or not numeric)."""
+        if self.kind == "spike":
+            return _SPIKE_FACTOR if self.factor is None else self.factor
+        return self.factor if self.kind == "bad_batch" else None
+
+
+_SPIKE_FACTOR = 1000.0
+"""chaos/faults.py's default scale for a spike."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,6 +235,10 @@ class Scenario:
     `resilient run --hot-recovery` where it exists. Only HOT_KINDS (with the FSDP2 recipe an
     exception is not rolled back in place: the failing rank is replaced warm); each fault's
     recovery (hot or cold, from the events) must be the one `expected_recovery` names."""
+    numeric: dict[str, Any] = field(default_factory=dict)
+    """RESILIENT_NUMERIC for the run (resilient.numeric.config.NumericConfig's fields), e.g.
+    `numeric = {policy = "skip"}`, or `{spike_factor = 5.0, spike_window = 3}` for a spike
+    to be seen. The fault-free run gets only the steps the faulty one skips (`skip_steps`)."""
     faults: list[Fault] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -204,11 +247,12 @@ class Scenario:
             raise ValueError(f"{self.name}: hot mode runs train_ddp.py or train_fsdp.py")
         if "kill_during_replication" in kinds and self.recipe != "train_fsdp.py":
             raise ValueError(f"{self.name}: only sharded state (train_fsdp.py) is replicated")
-        if self.hot and {f.kind for f in self.faults} - HOT_KINDS:
+        if self.hot and kinds - HOT_KINDS - NUMERIC:
             raise ValueError(
-                f"{self.name}: hot mode takes only {sorted(HOT_KINDS)}, got "
-                f"{sorted({f.kind for f in self.faults} - HOT_KINDS)}"
+                f"{self.name}: hot mode takes only {sorted(HOT_KINDS | NUMERIC)}, got "
+                f"{sorted(kinds - HOT_KINDS - NUMERIC)}"
             )
+        self._check_numeric()
         for f in self.faults:
             if f.at_step >= self.steps:
                 raise ValueError(f"{self.name}: fault at step {f.at_step} >= steps {self.steps}")
@@ -235,6 +279,71 @@ class Scenario:
         if self.hosts == 2 and (len(self.faults) != 1 or self.faults[0].rank < self.nproc):
             raise ValueError(f"{self.name}: one node_loss, on a rank of the second host")
 
+    def _check_numeric(self) -> None:
+        from resilient.errors import ConfigError
+        from resilient.numeric.config import NumericConfig
+
+        try:
+            config = NumericConfig.from_dict(dict(self.numeric))
+        except (ConfigError, TypeError) as e:
+            raise ValueError(f"{self.name}: numeric: {e}") from e
+        for f in self.faults:
+            if f.kind not in NUMERIC:
+                continue
+            scale = f.spike_scale
+            if scale is None and not config.nonfinite:
+                raise ValueError(f"{self.name}: {f.kind} makes a NaN: numeric.nonfinite is off")
+            if scale is not None:
+                if config.spike_factor is None or scale <= config.spike_factor:
+                    raise ValueError(
+                        f"{self.name}: a spike by {scale:g} at step {f.at_step} is seen only "
+                        f"with numeric.spike_factor set below it (got {config.spike_factor})"
+                    )
+                if f.at_step < config.spike_window:
+                    raise ValueError(
+                        f"{self.name}: a spike at step {f.at_step} comes before the running "
+                        f"mean spans numeric.spike_window = {config.spike_window} steps"
+                    )
+        stop = self.stops_at()
+        if stop is not None and any(f.at_step > stop for f in self.faults):
+            raise ValueError(
+                f"{self.name}: the run stops at the bad batch of step {stop} (numeric policy "
+                f"{config.policy!r}): a fault after it would never run"
+            )
+
+    @property
+    def numeric_policy(self) -> str:
+        """What a persistent numerical fault does: "skip" or "stop" (NumericConfig.policy)."""
+        return str(self.numeric.get("policy", "stop"))
+
+    def skip_steps(self) -> list[int]:
+        """The steps whose update the run skips: numeric.skip_steps, and each bad_batch's
+        step under policy "skip" (up to numeric.max_skips). The fault-free run skips them too
+        (its `skip_steps`): the skip-golden."""
+        listed = {int(s) for s in self.numeric.get("skip_steps", ())}
+        if self.numeric_policy == "skip":
+            room = int(self.numeric.get("max_skips", 10))
+            bad = sorted(f.at_step for f in self.faults if f.kind == "bad_batch")
+            listed |= set(bad[:room])
+        return sorted(listed)
+
+    def stops_at(self) -> int | None:
+        """The step of the bad batch that ends the run with ExitCode.NUMERICAL_FAULT (policy
+        "stop", or "skip" with no skip left), None when the run goes to its end."""
+        bad = sorted(f.at_step for f in self.faults if f.kind == "bad_batch")
+        if self.numeric_policy == "skip":
+            bad = bad[int(self.numeric.get("max_skips", 10)) :]
+        return bad[0] if bad else None
+
+    @property
+    def expected_exit(self) -> int:
+        """The exit code the (last) launch must end with: 0, or 87 after a stop."""
+        if self.stops_at() is None:
+            return 0
+        from resilient.exitcodes import ExitCode
+
+        return int(ExitCode.NUMERICAL_FAULT)
+
     def golden_key(self) -> str:
         """Runs with equal keys must end with equal bits."""
         key = (
@@ -243,6 +352,8 @@ class Scenario:
         ).replace(".py", "")
         if self.hot:  # micro-batches, and the split each OOM retry leaves behind
             key += "-micro" + "".join(f"-{s}x{k}" for s, k in self.splits())
+        if self.skip_steps():  # the skip-golden: the same steps' updates skipped
+            key += "-skip" + "-".join(str(s) for s in self.skip_steps())
         return key
 
     def splits(self) -> list[tuple[int, int]]:
@@ -277,13 +388,14 @@ class Scenario:
     def to_toml(self) -> str:
         lines = []
         for f in dataclasses.fields(self):
-            if f.name != "faults":
+            if f.name != "faults" and getattr(self, f.name) is not None:
                 lines.append(f"{f.name} = {_toml_value(getattr(self, f.name))}")
         for fault in self.faults:
             lines += ["", "[[fault]]"]
             lines += [
                 f"{k.name} = {_toml_value(getattr(fault, k.name))}"
                 for k in dataclasses.fields(fault)
+                if getattr(fault, k.name) is not None  # TOML has no null: the default
             ]
         return "\n".join(lines) + "\n"
 
@@ -293,143 +405,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
-
-
-def generate(
-    seed: int,
-    count: int,
-    *,
-    steps: int = 24,
-    save_every: int = 4,
-    max_faults: int = 2,
-    hot_fraction: float = 0.0,
-    hot_lost: bool = False,
-) -> list[Scenario]:
-    """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly.
-
-    A `hot_fraction` of them, drawn from a generator of their own (so the cold schedules of
-    a seed stay what they were), run in hot mode with HOT_KINDS; the lost-process kinds only
-    with `hot_lost` (where `resilient run --hot-recovery` exists)."""
-    rng = random.Random(seed)
-    hot_rng = random.Random(f"hot-{seed}")
-    out = []
-    for i in range(count):
-        cold = _draw_cold(rng, seed, i, steps, save_every, max_faults)
-        if hot_rng.random() < hot_fraction:
-            out.append(_draw_hot(hot_rng, cold.name, steps, save_every, max_faults, hot_lost))
-        else:
-            out.append(cold)
-    return out
-
-
-def repeated(kind: str, recipe: str, seed: int, count: int, *, hot: bool = True) -> list[Scenario]:
-    """`count` runs of one fault `kind` on `recipe`, its rank, step and phase drawn from `seed`:
-    the hot/cold counts of one fault class (issue 31: `sigstop` and `hang` in hot mode)."""
-    rng = random.Random(f"repeat-{kind}-{recipe}-{seed}")
-    steps, save_every = 24, 4
-    return [
-        Scenario(
-            name=f"repeat-{kind}-{recipe.removesuffix('.py')}-{seed}-{i:04d}",
-            recipe=recipe,
-            steps=steps,
-            save_every=save_every,
-            hot=hot,
-            faults=[
-                Fault(
-                    kind=kind,
-                    rank=rng.randint(0, 1),
-                    at_step=rng.randint(save_every + 1, steps - save_every - 1),
-                    phase=rng.choice(_IN_STEP),
-                )
-            ],
-        )
-        for i in range(count)
-    ]
-
-
-def _draw_hot(
-    rng: random.Random, name: str, steps: int, save_every: int, max_faults: int, lost: bool
-) -> Scenario:
-    kinds = sorted((HOT_KINDS if lost else HOT_KINDS - LOST_PROCESS) - {"kill_during_replication"})
-    n = rng.randint(1, max_faults)
-    at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
-    faults = [
-        Fault(kind=rng.choice(kinds), rank=rng.randint(0, 1), at_step=s, phase=rng.choice(_IN_STEP))
-        for s in at
-    ]
-    storage = "s3" if rng.random() < 0.25 else "local"
-    # half of the draws that only lose processes run FSDP2 (its shards come from the buddy's
-    # replica), and half of their kills inside a snapshot come during its replication
-    recipe = "train_ddp.py"
-    if lost and all(f.kind in LOST_PROCESS for f in faults) and rng.random() < 0.5:
-        recipe = "train_fsdp.py"
-        faults = [
-            dataclasses.replace(f, kind="kill_during_replication")
-            if f.kind == "kill_during_snapshot" and rng.random() < 0.5
-            else f
-            for f in faults
-        ]
-    return Scenario(
-        name=name,
-        recipe=recipe,
-        steps=steps,
-        save_every=save_every,
-        storage=storage,
-        hot=True,
-        faults=_after_saves(faults, save_every, steps),
-    )
-
-
-def _after_saves(faults: list[Fault], save_every: int, steps: int) -> list[Fault]:
-    """A `kill_during_save` fires at the first save after its step, up to `save_every` steps
-    later, and a hot recovery resumes there, not at a checkpoint before: a later fault of the
-    same draw must come after that save, or its step is never run again (soak 2026, run 0145,
-    waited for ever for an OOM at step 13 after a kill during save 16). Such faults move past
-    it, or go when the run ends first."""
-    out: list[Fault] = []
-    floor = 0
-    for f in faults:
-        if f.at_step < floor:
-            if floor >= steps - 1:
-                continue
-            f = dataclasses.replace(f, at_step=floor)
-        out.append(f)
-        if f.kind == "kill_during_save":
-            floor = max(floor, -(-(f.at_step + 1) // save_every) * save_every + 1)
-    return out
-
-
-def _draw_cold(
-    rng: random.Random, seed: int, i: int, steps: int, save_every: int, max_faults: int
-) -> Scenario:
-    storage = "s3" if rng.random() < 0.25 else "local"
-    kinds = sorted(
-        k
-        for k in FAULT_KINDS
-        if (storage == "s3" or k not in S3_ONLY) and k not in TWO_HOSTS and k not in HOT_ONLY
-    )
-    if storage == "s3":
-        kinds.remove("disk_full")
-    n = rng.randint(1, max_faults)
-    # a save between faults, and one before the end, so every fault meets a save
-    at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
-    storage_kinds = sorted(S3_ONLY) if storage == "s3" else []
-    faults = [
-        Fault(
-            # on S3, half the faults are the storage's own
-            kind=rng.choice(storage_kinds if storage_kinds and rng.random() < 0.5 else kinds),
-            rank=rng.randint(0, 1),
-            at_step=s,
-            phase=rng.choice(_PHASES),
-        )
-        for s in at
-    ]
-    return Scenario(
-        name=f"soak-{seed}-{i:04d}",
-        steps=steps,
-        save_every=save_every,
-        recipe=rng.choice(["train_ddp.py", "train_fsdp.py"]),
-        storage=storage,
-        faults=faults,
-    )

@@ -13,7 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from chaos.scenario import Scenario, generate
+from chaos.draw import generate
+from chaos.scenario import Scenario
 
 __all__ = ["summarize"]
 
@@ -61,7 +62,7 @@ def summarize(results: list[dict[str, Any]]) -> str:
                 recoveries[item.split(": ", 1)[1].split(" (")[0]] += 1
     if recoveries:
         lines.append(
-            "Recoveries seen in hot runs: "
+            "Recoveries seen (hot runs, numerical faults): "
             + ", ".join(f"{n} {k}" for k, n in sorted(recoveries.items()))
             + "."
         )

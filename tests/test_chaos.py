@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from chaos.__main__ import SCENARIOS
+from chaos.draw import generate, repeated
 from chaos.launch import golden
 from chaos.plan import plan
 from chaos.runner import run_scenario
@@ -16,10 +17,10 @@ from chaos.scenario import (
     FAULT_KINDS,
     HOT_ONLY,
     LOST_PROCESS,
+    NUMERIC,
     Fault,
     Scenario,
     expected_recovery,
-    generate,
 )
 
 
@@ -42,6 +43,30 @@ def test_scenario_toml_round_trip(tmp_path: Path):
         ({"name": "x", "storage": "nfs"}, "storage must be local or s3"),
         ({"name": "x", "fault": [{"kind": "raise", "phase": "lunch"}]}, "phase must be one of"),
         ({"name": "x", "fault": [{"kind": "node_loss"}]}, "need hosts = 2"),
+        ({"name": "x", "fault": [{"kind": "nan", "phase": "backward"}]}, "phase must be forward"),
+        ({"name": "x", "fault": [{"kind": "spike"}]}, "only with numeric.spike_factor"),
+        (
+            {"name": "x", "numeric": {"spike_factor": 2000.0}, "fault": [{"kind": "spike"}]},
+            "only with numeric.spike_factor set below it",
+        ),
+        (
+            {
+                "name": "x",
+                "numeric": {"spike_factor": 5, "spike_window": 9},
+                "fault": [{"kind": "spike", "at_step": 6}],
+            },
+            "before the running mean spans",
+        ),
+        ({"name": "x", "numeric": {"policy": "maybe"}}, "numeric: numeric policy must be"),
+        ({"name": "x", "numeric": {"colour": 1}}, "unknown numeric option"),
+        ({"name": "x", "fault": [{"kind": "kill", "factor": 3.0}]}, "factor is for spike"),
+        (
+            {
+                "name": "x",
+                "fault": [{"kind": "bad_batch", "at_step": 7}, {"kind": "kill", "at_step": 9}],
+            },
+            "a fault after it would never run",
+        ),
         (
             {"name": "x", "hot": True, "recipe": "train_fsdp.py", "fault": [{"kind": "sigterm"}]},
             "hot mode takes only",
@@ -66,8 +91,8 @@ def test_generator_is_seeded_and_valid():
     assert a == b
     assert generate(8, 200) != a
     kinds = {f.kind for sc in a for f in sc.faults}
-    # every one-host kind of cold mode, in 200 schedules
-    assert kinds == set(FAULT_KINDS) - {"node_loss"} - HOT_ONLY
+    # every one-host kind of cold mode, in 200 schedules (numerical faults have their own draw)
+    assert kinds == set(FAULT_KINDS) - {"node_loss"} - HOT_ONLY - NUMERIC
     assert {sc.storage for sc in a} == {"local", "s3"}
     for sc in a:  # Scenario's own checks ran at construction; faults land after a save
         assert all(sc.save_every < f.at_step < sc.steps - sc.save_every for f in sc.faults)
@@ -122,6 +147,14 @@ _EXTENDED = {
     # tests/test_checkpoint.py (truncated, deleted and corrupt files fall back to the
     # previous checkpoint) and corrupt_then_kill, which CI runs
     "truncate_delete",
+    # numerical faults (issue 27): CI runs bad_batch_skip, whose path holds the others' (a
+    # fault seen and agreed before the update, a cold restart recorded in the checkpoint
+    # location, the step failing again, the finite checkpoints and the one kept); the
+    # rollback in place, the spike and the stop run here
+    "nan_hot",
+    "nan_fsdp_cold",
+    "spike_fsdp_hot",
+    "bad_batch_stop",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
@@ -140,7 +173,10 @@ def test_matrix_scenario_keeps_every_invariant(path: Path, tmp_path_factory):
     if result.skipped:
         pytest.skip(result.skipped)  # disk_full without root: no tmpfs to fill
     assert result.ok, f"{result.failures}\n{result.checks}\nkept in {result.run_dir}"
-    if sc.hosts == 1:
+    if sc.stops_at() is not None:  # a bad batch stopped it (87): no final state to compare
+        assert result.checks["a_bitwise_equal"].startswith("n/a (stopped")
+        assert result.checks["h_numeric"].endswith("-> stop, exit 87")
+    elif sc.hosts == 1:
         assert result.checks["a_bitwise_equal"] == "pass"
     else:  # the world shrank: bits differ by design, the run must still finish
         assert result.checks["a_bitwise_equal"].endswith("finished: pass")
@@ -324,7 +360,7 @@ def test_hot_mode_is_drawn_from_its_own_generator_and_keeps_the_cold_schedules()
 def test_a_hot_draw_puts_faults_after_the_save_a_kill_during_save_waits_for():
     """kill_during_save fires at the first save after its step and a hot recovery resumes
     there: a fault drawn in between would never run (soak 2026, run 0145)."""
-    from chaos.scenario import _after_saves
+    from chaos.draw import _after_saves
 
     faults = [Fault(kind="kill_during_save", at_step=12), Fault(kind="oom", at_step=13)]
     moved = _after_saves(faults, save_every=4, steps=24)
@@ -493,3 +529,170 @@ def test_a_small_disk_fills_to_the_last_block_and_again_after_a_deletion(tmp_pat
         assert disk.info()["free_bytes"] < 64 << 10
         disk.free()
         assert disk.info()["free_bytes"] > 6 << 20
+
+
+# ------------------------------------------------------------- numerical faults (issue 27)
+def test_numerical_faults_expect_a_rollback_or_a_restart_then_a_skip_or_a_stop():
+    nan = Fault(kind="nan", at_step=10)
+    assert expected_recovery(nan, hot=True) == "hot"
+    assert expected_recovery(nan, hot=True, recipe="train_fsdp.py") == "hot"  # in place too
+    assert expected_recovery(nan, hot=False) == "cold"
+    bad = Fault(kind="bad_batch", at_step=10)
+    assert expected_recovery(bad, hot=True) == "hot then stop"
+    assert expected_recovery(bad, hot=False, policy="skip") == "cold then skip"
+    # a numerical fault never replaces a process: later faults stay in generation 0
+    sc = Scenario(
+        name="n",
+        hot=True,
+        recipe="train_fsdp.py",
+        numeric={"policy": "skip"},
+        faults=[Fault(kind="nan", at_step=6), Fault(kind="bad_batch", at_step=9),
+                Fault(kind="kill", at_step=13)],
+    )  # fmt: skip
+    assert [(p.expect, p.restarts, p.generation) for p in plan(sc)] == [
+        ("hot", False, 0),
+        ("hot then skip", False, 0),
+        ("hot", False, 0),
+    ]
+    cold = Scenario(name="n", faults=[Fault(kind="bad_batch", at_step=9)])
+    ((p,),) = [plan(cold)]
+    assert (p.expect, p.restarts) == ("cold then stop", True)  # restarts once, then stops
+    assert cold.stops_at() == 9 and cold.expected_exit == 87
+
+
+def test_a_skip_is_compared_with_the_skip_golden_and_a_stop_with_nothing():
+    from chaos.launch import _spec
+
+    skip = Scenario.load(SCENARIOS / "bad_batch_skip.toml")
+    assert skip.skip_steps() == [11] and skip.stops_at() is None and skip.expected_exit == 0
+    assert skip.golden_key().endswith("-skip11")  # its own fault-free run
+    plain = Scenario(name="p", faults=[Fault(kind="nan", at_step=11)])
+    assert plain.skip_steps() == [] and "-skip" not in plain.golden_key()
+    # max_skips: the second bad batch is past it and stops the run
+    two = Scenario(
+        name="t",
+        numeric={"policy": "skip", "max_skips": 1},
+        faults=[Fault(kind="bad_batch", at_step=6), Fault(kind="bad_batch", at_step=10)],
+    )
+    assert two.skip_steps() == [6] and two.stops_at() == 10
+    assert [p.expect for p in plan(two)] == ["cold then skip", "cold then stop"]
+    # a bad batch is armed for every attempt and generation; a NaN for its own only
+    (bad,) = plan(skip)
+    assert "restart=any" in _spec(bad) and "generation=any" in _spec(bad)
+    (nan,) = plan(plain)
+    assert ",restart=0,generation=0" in _spec(nan)
+    spike = Scenario.load(SCENARIOS / "spike_fsdp_hot.toml")
+    assert _spec(plan(spike)[0]).endswith(",factor=1000")
+    # the TOML round trip keeps the numeric table and the factor
+    for sc in (skip, spike, two):
+        assert Scenario.from_dict(__import__("tomllib").loads(sc.to_toml())) == sc
+
+
+def test_numerical_faults_have_a_draw_of_their_own_that_keeps_every_other_schedule():
+    """Soak runs with a numerical fault come from a generator of their own: every other
+    index keeps the schedule the seed drew before they existed (cold and hot alike)."""
+    before = generate(2026, 200, hot_fraction=0.25, hot_lost=True)
+    mixed = generate(2026, 200, hot_fraction=0.25, hot_lost=True, numeric_fraction=0.1)
+    assert mixed == generate(2026, 200, hot_fraction=0.25, hot_lost=True, numeric_fraction=0.1)
+    numeric = [sc for sc in mixed if any(f.kind in NUMERIC for f in sc.faults)]
+    assert 8 <= len(numeric) <= 35
+    assert all(a == b for a, b in zip(before, mixed, strict=True) if b not in numeric)
+    assert all(len(sc.faults) == 1 and sc.storage == "local" for sc in numeric)
+    assert {f.kind for sc in numeric for f in sc.faults} == NUMERIC
+    assert {sc.recipe for sc in numeric} == {"train_ddp.py", "train_fsdp.py"}
+    assert {sc.hot for sc in numeric} == {True, False}
+    assert {sc.numeric_policy for sc in numeric if sc.faults[0].kind == "bad_batch"} == {
+        "skip",
+        "stop",
+    }
+    assert not any(f.kind in NUMERIC for sc in before for f in sc.faults)
+
+
+def test_repeat_takes_the_numerical_kinds_in_the_forward():
+    runs = repeated("spike", "train_fsdp.py", 1, 5)
+    assert all(sc.hot and sc.faults[0].phase == "forward" for sc in runs)
+    assert all(sc.numeric == {"spike_factor": 5.0, "spike_window": 3} for sc in runs)
+    bad = repeated("bad_batch", "train_ddp.py", 1, 2, hot=False, numeric={"policy": "skip"})
+    assert [p.expect for sc in bad for p in plan(sc)] == ["cold then skip"] * 2
+    # the old kinds draw what they drew before (commit 35c0144's repeated())
+    kills = [sc.faults[0] for sc in repeated("kill", "train_ddp.py", 3, 2)]
+    assert [(f.rank, f.at_step, f.phase) for f in kills] == [(0, 18, "forward"), (1, 7, "forward")]
+    assert all(sc.numeric == {} for sc in repeated("kill", "train_ddp.py", 3, 2))
+
+
+def test_a_bad_batch_counts_once_though_every_attempt_records_it():
+    from chaos.external import _first_firings
+
+    records = [
+        {"kind": "bad_batch", "rank": 1, "step": 11, "phase": "forward"},  # attempt 0
+        {"kind": "raise", "rank": 0, "step": 12, "phase": "forward"},
+        {"kind": "raise", "rank": 0, "step": 12, "phase": "forward", "repeat": 1},
+        {"kind": "bad_batch", "rank": 1, "step": 11, "phase": "forward"},  # attempt 1
+        {"kind": "kill", "source": "runner"},
+    ]
+    assert [r["kind"] for r in _first_firings(records)] == ["bad_batch", "raise"]
+
+
+def test_the_numeric_check_fails_a_wrong_answer_a_false_positive_and_a_nan_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """(h) can fail: a fault answered with the wrong action, a numerical fault at a step no
+    injection poisoned, a committed checkpoint holding a NaN, the last good one deleted."""
+    import torch
+    from trainee import Trainee
+
+    import resilient.checkpoint.manager as manager_module
+    from chaos.check_numeric import _check_numeric
+    from resilient import CheckpointConfig, CheckpointManager
+    from resilient.checkpoint.manifest import step_dir
+
+    sc = Scenario(name="h", numeric={"policy": "skip"}, faults=[Fault(kind="bad_batch",
+                  rank=1, at_step=9)])  # fmt: skip
+    planned = plan(sc)
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(CheckpointConfig(url=str(root), async_save=False, keep_last=5))
+    t = Trainee(0)
+    for step in (4, 8):
+        t.train(1, seed=step)
+        mgr.save(t.state(), step)
+    mgr.note_numerical_fault(9, rank=1)
+    # an older resilient, or a broken check, commits a NaN: the checker loads and finds it
+    monkeypatch.setattr(manager_module, "check_agreed", lambda *a, **k: 0.0)
+    with torch.no_grad():
+        t.model[0].weight[0, 0] = float("nan")
+    mgr.save(t.state(), 12)
+    mgr.close()
+
+    def ev(event: str, **kw) -> dict:
+        return {"event": event, **kw}
+
+    commits = [ev("ckpt.save.committed", step=s) for s in (4, 8, 12)]
+    good = [
+        ev("numeric.fault", step=9, action="restart", origin=[1]),
+        ev("numeric.restart", step=9),
+        ev("numeric.fault", step=9, action="skip", origin=[1]),
+        ev("numeric.skip", step=9),
+    ]
+    failures: list[str] = []
+    checks = _check_numeric(sc, tmp_path, planned, commits + good, 0, failures)
+    assert checks["h_numeric"] == "bad_batch@9: restart -> skip"
+    assert checks["h_last_good_kept"] == "pass (checkpoint 8 kept; the first fault at step 9)"
+    assert checks["h_finite_checkpoints"].startswith("fail: 3 loaded [4, 8, 12]")
+    assert failures == ["h: checkpoint 12 holds non-finite values in ['0.weight']"]
+
+    (root / step_dir(8) / "manifest.json").unlink()  # retention lost the last good one
+    wrong = [
+        *good[:2],
+        ev("numeric.fault", step=9, action="stop", origin=[1]),
+        ev("numeric.fault", step=15, action="rollback", origin=[0], seen={"0": ["x"]}),
+    ]
+    failures = []
+    _check_numeric(sc, tmp_path, planned, commits + wrong, 87, failures)
+    assert len(failures) == 4, failures
+    assert failures[0] == (
+        "h: bad_batch at step 9: numeric.fault actions ['restart', 'stop'], expected "
+        "['restart', 'skip']"
+    )
+    assert failures[1].startswith("h: a numerical fault at step 15 that no injection made")
+    assert failures[2] == "h: checkpoint 12 holds non-finite values in ['0.weight']"
+    assert failures[3].startswith("h: checkpoint 8, the newest before the first numerical fault")

@@ -1,0 +1,232 @@
+"""Seeded fault schedules: the soak's random scenarios and `repeat`'s runs of one kind.
+
+Split from chaos/scenario.py (what a scenario is); these only draw them, reproducibly from a
+seed, so that a seed's schedules stay what they were as new kinds are added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from chaos.scenario import (
+    _IN_STEP,
+    _PHASES,
+    _SPIKE_FACTOR,
+    FAULT_KINDS,
+    HOT_KINDS,
+    HOT_ONLY,
+    LOST_PROCESS,
+    NUMERIC,
+    S3_ONLY,
+    TWO_HOSTS,
+    Fault,
+    Scenario,
+)
+
+__all__ = ["generate", "numeric_defaults", "repeated"]
+
+
+def generate(
+    seed: int,
+    count: int,
+    *,
+    steps: int = 24,
+    save_every: int = 4,
+    max_faults: int = 2,
+    hot_fraction: float = 0.0,
+    hot_lost: bool = False,
+    numeric_fraction: float = 0.0,
+) -> list[Scenario]:
+    """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly.
+
+    A `hot_fraction` of them, drawn from a generator of their own (so the cold schedules of
+    a seed stay what they were), run in hot mode with HOT_KINDS; the lost-process kinds only
+    with `hot_lost` (where `resilient run --hot-recovery` exists). A `numeric_fraction` of
+    them, from a third generator, have one numerical fault instead (NUMERIC; hot mode for a
+    `hot_fraction` of those): every other index keeps the schedule it had without them."""
+    rng = random.Random(seed)
+    hot_rng = random.Random(f"hot-{seed}")
+    numeric_rng = random.Random(f"numeric-{seed}")
+    out = []
+    for i in range(count):
+        sc = _draw_cold(rng, seed, i, steps, save_every, max_faults)
+        if hot_rng.random() < hot_fraction:
+            sc = _draw_hot(hot_rng, sc.name, steps, save_every, max_faults, hot_lost)
+        if numeric_rng.random() < numeric_fraction:
+            sc = _draw_numeric(numeric_rng, sc.name, steps, save_every, hot_fraction)
+        out.append(sc)
+    return out
+
+
+_SPIKE_SEEN = {"spike_factor": 5.0, "spike_window": 3}
+"""Spike detection for a drawn spike: a loss above 5 times its running mean over 3 steps
+(the injected one is about 1000 times it; the toy's own loss only falls)."""
+
+
+def numeric_defaults(kind: str) -> dict[str, Any]:
+    """The numeric settings a fault of `kind` needs to be seen: spike detection for a spike."""
+    return dict(_SPIKE_SEEN) if kind == "spike" else {}
+
+
+def _draw_numeric(
+    rng: random.Random, name: str, steps: int, save_every: int, hot_fraction: float
+) -> Scenario:
+    """One numerical fault: a NaN or a spike once (transient), or a bad batch (persistent,
+    under policy skip or stop, NaN or a spike), on either recipe, hot (snapshots on, rolled
+    back in place) or cold (restarted from the newest checkpoint)."""
+    kind = rng.choice(sorted(NUMERIC))
+    hot = rng.random() < hot_fraction
+    recipe = rng.choice(["train_ddp.py", "train_fsdp.py"])
+    at_step = rng.randrange(save_every + 1, steps - save_every)
+    rank = rng.randint(0, 1)
+    numeric = numeric_defaults(kind)
+    factor = None
+    if kind == "bad_batch":
+        numeric["policy"] = rng.choice(["skip", "stop"])
+        if rng.random() < 0.5:  # a batch whose loss spikes, every time
+            factor = _SPIKE_FACTOR
+            numeric.update(_SPIKE_SEEN)
+    fault = Fault(kind=kind, rank=rank, at_step=at_step, phase="forward", factor=factor)
+    return Scenario(
+        name=name,
+        recipe=recipe,
+        steps=steps,
+        save_every=save_every,
+        hot=hot,
+        numeric=numeric,
+        faults=[fault],
+    )
+
+
+def repeated(
+    kind: str,
+    recipe: str,
+    seed: int,
+    count: int,
+    *,
+    hot: bool = True,
+    numeric: dict[str, Any] | None = None,
+) -> list[Scenario]:
+    """`count` runs of one fault `kind` on `recipe`, its rank, step and phase drawn from `seed`:
+    the hot/cold counts of one fault class (issue 31: `sigstop` and `hang` in hot mode).
+    A numerical fault is always in the forward, with `numeric_defaults(kind)` and then
+    `numeric` as the run's RESILIENT_NUMERIC."""
+    rng = random.Random(f"repeat-{kind}-{recipe}-{seed}")
+    steps, save_every = 24, 4
+    settings = {**numeric_defaults(kind), **(numeric or {})}
+    out = []
+    for i in range(count):
+        rank = rng.randint(0, 1)
+        at_step = rng.randint(save_every + 1, steps - save_every - 1)
+        phase = rng.choice(_IN_STEP)  # drawn for every kind: the old kinds keep their draws
+        out.append(
+            Scenario(
+                name=f"repeat-{kind}-{recipe.removesuffix('.py')}-{seed}-{i:04d}",
+                recipe=recipe,
+                steps=steps,
+                save_every=save_every,
+                hot=hot,
+                numeric=dict(settings) if kind in NUMERIC or numeric else {},
+                faults=[
+                    Fault(
+                        kind=kind,
+                        rank=rank,
+                        at_step=at_step,
+                        phase="forward" if kind in NUMERIC else phase,
+                    )
+                ],
+            )
+        )
+    return out
+
+
+def _draw_hot(
+    rng: random.Random, name: str, steps: int, save_every: int, max_faults: int, lost: bool
+) -> Scenario:
+    kinds = sorted((HOT_KINDS if lost else HOT_KINDS - LOST_PROCESS) - {"kill_during_replication"})
+    n = rng.randint(1, max_faults)
+    at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
+    faults = [
+        Fault(kind=rng.choice(kinds), rank=rng.randint(0, 1), at_step=s, phase=rng.choice(_IN_STEP))
+        for s in at
+    ]
+    storage = "s3" if rng.random() < 0.25 else "local"
+    # half of the draws that only lose processes run FSDP2 (its shards come from the buddy's
+    # replica), and half of their kills inside a snapshot come during its replication
+    recipe = "train_ddp.py"
+    if lost and all(f.kind in LOST_PROCESS for f in faults) and rng.random() < 0.5:
+        recipe = "train_fsdp.py"
+        faults = [
+            dataclasses.replace(f, kind="kill_during_replication")
+            if f.kind == "kill_during_snapshot" and rng.random() < 0.5
+            else f
+            for f in faults
+        ]
+    return Scenario(
+        name=name,
+        recipe=recipe,
+        steps=steps,
+        save_every=save_every,
+        storage=storage,
+        hot=True,
+        faults=_after_saves(faults, save_every, steps),
+    )
+
+
+def _after_saves(faults: list[Fault], save_every: int, steps: int) -> list[Fault]:
+    """A `kill_during_save` fires at the first save after its step, up to `save_every` steps
+    later, and a hot recovery resumes there, not at a checkpoint before: a later fault of the
+    same draw must come after that save, or its step is never run again (soak 2026, run 0145,
+    waited for ever for an OOM at step 13 after a kill during save 16). Such faults move past
+    it, or go when the run ends first."""
+    out: list[Fault] = []
+    floor = 0
+    for f in faults:
+        if f.at_step < floor:
+            if floor >= steps - 1:
+                continue
+            f = dataclasses.replace(f, at_step=floor)
+        out.append(f)
+        if f.kind == "kill_during_save":
+            floor = max(floor, -(-(f.at_step + 1) // save_every) * save_every + 1)
+    return out
+
+
+def _draw_cold(
+    rng: random.Random, seed: int, i: int, steps: int, save_every: int, max_faults: int
+) -> Scenario:
+    storage = "s3" if rng.random() < 0.25 else "local"
+    kinds = sorted(
+        k
+        for k in FAULT_KINDS
+        if (storage == "s3" or k not in S3_ONLY)
+        and k not in TWO_HOSTS
+        and k not in HOT_ONLY
+        and k not in NUMERIC  # drawn by a generator of their own (generate)
+    )
+    if storage == "s3":
+        kinds.remove("disk_full")
+    n = rng.randint(1, max_faults)
+    # a save between faults, and one before the end, so every fault meets a save
+    at = sorted(rng.sample(range(save_every + 1, steps - save_every), n))
+    storage_kinds = sorted(S3_ONLY) if storage == "s3" else []
+    faults = [
+        Fault(
+            # on S3, half the faults are the storage's own
+            kind=rng.choice(storage_kinds if storage_kinds and rng.random() < 0.5 else kinds),
+            rank=rng.randint(0, 1),
+            at_step=s,
+            phase=rng.choice(_PHASES),
+        )
+        for s in at
+    ]
+    return Scenario(
+        name=f"soak-{seed}-{i:04d}",
+        steps=steps,
+        save_every=save_every,
+        recipe=rng.choice(["train_ddp.py", "train_fsdp.py"]),
+        storage=storage,
+        faults=faults,
+    )
