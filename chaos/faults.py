@@ -158,8 +158,9 @@ def _flip_bit(bit: int) -> None:
     if model is None:
         raise RuntimeError("chaos bitflip: the runtime tracks no model")
     p = next(q for q in model.parameters() if q.is_floating_point() and q.element_size() == 4)
-    with torch.no_grad():
-        flat = p.data.view(-1).view(torch.int32)
+    with torch.no_grad():  # a DTensor's own shard: any DTensor op would be a collective
+        local = p.to_local() if hasattr(p, "to_local") else p.data
+        flat = local.view(-1).view(torch.int32)
         flat[flat.numel() // 2] ^= 1 << bit
 
 

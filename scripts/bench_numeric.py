@@ -25,6 +25,10 @@ For each: seconds from the fault to the end of the faulty step's replay (its
 `step.fingerprint`). `numeric_recovery_over_rollback` is the NaN's over the exception's
 (median over --runs runs; target <= 2).
 
+Part 3, FSDP2's sampled re-run: the FSDP2 recipe with a re-run every 2nd step (snapshots
+every step); a re-run costs its rollback (`rollback.done` seconds) plus the step once more;
+`sdc_rerun_overhead` is that over 200 steps (the default `rerun_every`).
+
 The last line of stdout is one JSON object with every figure.
 """
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -209,6 +214,36 @@ def recovery_run(work: Path, i: int) -> dict[str, float]:
     return out
 
 
+def rerun_cost(work: Path) -> dict[str, float]:
+    """FSDP2's sampled re-run: the recipe with a re-run every 2nd step; each costs the
+    rollback to the snapshot before the step plus the step once more."""
+    run = work / "rerun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(REPO / "recipes" / "train_fsdp.py"), "--steps", "24", "--save-every", "100",
+           "--corpus-chars", "20000", "--batch-size", "8",
+           "--ckpt-dir", str(run / "ckpt"), "--run-dir", str(run / "run")]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RESILIENT_SNAPSHOT": '{"enabled": true, "every_steps": 1}',
+        "RESILIENT_NUMERIC": '{"rerun": true, "rerun_every": 2}',
+    }
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from resilient.events import read_events
+
+    events = [e for e in read_events(run / "run") if e.get("rank") == 0]
+    restore = [float(e["seconds"]) for e in events if e.get("event") == "rollback.done"]
+    steps = [
+        (float(e["busy_s"]) / (int(e["last"]) - int(e["first"]) + 1))
+        for e in events
+        if e.get("event") == "train.progress"
+    ]
+    step_s = statistics.median(steps)
+    per = statistics.median(restore) + step_s
+    return {"rerun_restore_s": statistics.median(restore), "rerun_step_s": step_s,
+            "reruns": len(restore), "sdc_rerun_overhead": per / (200 * step_s)}  # fmt: skip
+
+
 def _epoch(ts: str) -> float:
     from datetime import datetime
 
@@ -220,7 +255,18 @@ def main() -> int:
     if "LOCAL_RANK" in os.environ:
         worker(args)
         return 0
-    work = Path(tempfile.mkdtemp(prefix="bench_numeric_"))
+    parent = REPO / "bench-output"
+    parent.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_numeric_", dir=parent))
+    try:
+        result = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+    return 0
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result = overheads(args, work)
     runs = args.runs or (2 if args.quick else 5)
     rec = [recovery_run(work, i) for i in range(runs)]
@@ -230,8 +276,8 @@ def main() -> int:
         statistics.median(r["nan"] / r["exception"] for r in rec), 3
     )
     result["recovery_runs"] = runs
-    print(json.dumps(result))
-    return 0
+    result.update({k: round(v, 6) for k, v in rerun_cost(work).items()})
+    return result
 
 
 if __name__ == "__main__":

@@ -231,3 +231,25 @@ def test_a_bit_flipped_in_one_of_three_replicas_is_named_and_undone(
     assert {e["step"] for e in sdc_events} == {8} and sdc_events[0]["odd_ranks"] == [2]
     loads = run_events(tmp_path / "faulty" / "run", "ckpt.load")
     assert {e["step"] for e in loads} == {4}  # the newest checkpoint, checked at its save
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_reruns_a_sampled_step_and_a_bit_flipped_in_its_first_run_is_undone(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """FSDP2 holds no replica: a sampled step runs twice from its snapshot; a bit flipped in
+    the first run makes the two differ, and the run restarts from the newest checkpoint."""
+    rerun = {"rerun": True, "rerun_every": 4}
+    assert _run(launcher, tmp_path / "golden", [], recipe="train_fsdp.py") == 0
+    flip = ["bitflip@rank=0,step=8,phase=optimizer"]
+    code = _run(
+        launcher, tmp_path / "faulty", flip, recipe="train_fsdp.py", numeric=rerun, env=SNAPSHOTS
+    )
+    assert code == 0
+    assert _digest(tmp_path / "faulty") == _digest(tmp_path / "golden")
+    differs = run_events(tmp_path / "faulty" / "run", "numeric.rerun.differs")
+    assert {(e["step"], tuple(e["ranks"])) for e in differs} == {(8, (0,))}
+    equal = {e["step"] for e in run_events(tmp_path / "faulty" / "run", "numeric.rerun.equal")}
+    assert {4, 8, 12} <= equal  # 8 again after the restart, clean
+    assert [e["action"] for e in _faults(tmp_path / "faulty")] == ["restart"]

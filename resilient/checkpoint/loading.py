@@ -198,13 +198,7 @@ class Loader:
         names = sorted(set(want) & set(have))
         template: dict[str, Any] = {"model": {k: want[k] for k in names}}
         try:
-            dcp.load(
-                template,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-                process_group=self.collectives.group,
-                no_dist=not self.collectives.distributed,
-            )
+            self._dcp_load(template, reader)
         except CheckpointException as e:  # what a rank raised inside DCP, said plainly
             found = verification_problems(e)
             if found:
@@ -232,16 +226,20 @@ class Loader:
             rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved
         )
         try:
-            dcp.load(
-                template,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-                process_group=self.collectives.group,
-                no_dist=not self.collectives.distributed,
-            )
+            self._dcp_load(template, reader)
         finally:
             verifier.drop_ahead()  # a load that failed before its check
         state.apply(template, rank=self.rank)
+
+    def _dcp_load(self, template: dict[str, Any], reader: Any) -> None:
+        """DCP's load of `template` in place, restricted (SafeLoadPlanner), on this group."""
+        dcp.load(
+            template,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(),
+            process_group=self.collectives.group,
+            no_dist=not self.collectives.distributed,
+        )
 
     def _check_fits(self, state: TrainState, saved: dict[str, Any], step: int) -> None:
         if state.model is None:

@@ -47,6 +47,13 @@ class NumericConfig:
     mismatch restarts from the newest checkpoint, which was checked at its save."""
     sdc_every: int = 100
     """Steps between replica checks beside the saves' own."""
+    rerun: bool = False
+    """Run every `rerun_every`-th step twice, from the snapshot before it and on the same
+    inputs, and compare the parameters and optimizer state after each run bitwise on every
+    rank (silent data corruption where there is no replica to compare with: FSDP2). Needs
+    snapshots and `rt.steps()`. Exact on CPU and with deterministic GPU kernels only."""
+    rerun_every: int = 200
+    """Steps between sampled re-runs (the cost is about one step in `rerun_every`)."""
     skip_steps: tuple[int, ...] = ()
     """Steps whose update is skipped from the start: to reproduce a run that skipped them
     (its report lists them), or to skip batches known to be bad."""
@@ -63,6 +70,8 @@ class NumericConfig:
             )
         if self.spike_window < 1:
             raise ConfigError(f"numeric spike_window must be >= 1 steps, got {self.spike_window}")
+        if self.rerun_every < 1:
+            raise ConfigError(f"numeric rerun_every must be >= 1 steps, got {self.rerun_every}")
         if self.sdc_every < 1:
             raise ConfigError(f"numeric sdc_every must be >= 1 steps, got {self.sdc_every}")
         if self.max_skips < 0:

@@ -1,13 +1,17 @@
 """Seeing a numerical fault, on every rank at once, before it changes a weight.
 
 `NumericWatch` hooks the tracked optimizer's `step()`. Before the optimizer reads a gradient,
-each rank computes one norm over its own gradients (its shards under FSDP2; under DDP they
-are already all-reduced, so a NaN on one rank is a NaN on all), checks the loss the script
-observed, and, with spike detection on, compares that loss with its running mean. One small
-all-gather on the control group puts every rank's findings on every rank, so all of them
-decide alike. A step with a finding (or one listed to be skipped) has its gradients dropped
-(set to None): the optimizer then changes nothing, and the loop's end of step
-(runtime/loops.py) rolls back, skips or stops (numeric/respond.py).
+each rank sums its own gradients (its shards under FSDP2; under DDP they are already
+all-reduced, so a NaN on one rank is a NaN on all): a NaN or inf anywhere makes the sum
+non-finite, and only then does an exact look (and a norm for the event) follow. It checks
+the loss the script observed and, with spike detection on, compares that loss with its
+running mean. One small all-gather on the control group puts every rank's findings on every
+rank, so all of them decide alike; under DDP with nothing found and no spike detection, no
+message is needed (the reduced gradients are the same everywhere).
+
+A step with a finding (or one listed to be skipped) has its gradients dropped (set to None):
+the optimizer then changes nothing, and the loop's end of step (runtime/loops.py) rolls
+back, skips or stops (numeric/respond.py).
 
 A loop without a tracked optimizer is checked at the end of the step instead (the loss
 only); its update has then happened, which a rollback undoes.
@@ -193,10 +197,14 @@ class NumericWatch:
         self._checked = True
         # the loss and the gradient norm come to the host together: one device sync a step
         parts = [self._loss if self._loss is not None else torch.tensor(math.nan)]
-        parts.append(_norm(grads) if grads else torch.tensor(math.nan))
+        parts.append(_screen(grads) if grads else torch.tensor(math.nan))
         loss_t, norm_t = torch.stack([t.float().cpu() for t in parts]).double().tolist()
+        flagged = bool(grads) and not math.isfinite(norm_t)
+        if flagged:  # the screen flags: the exact look, and the norm for the event
+            flagged = _any_nonfinite(grads or [])
+            norm_t = float(_norm(grads or [])) if flagged else math.nan
         mine = torch.zeros(_WIDTH, dtype=torch.float64)
-        has_loss, has_norm = self._loss is not None, bool(grads)
+        has_loss, has_norm = self._loss is not None, flagged
         mine[_HAS] = has_loss + 2 * has_norm
         mine[_LOSS], mine[_NORM] = loss_t, norm_t
         if self.config.nonfinite and has_loss and not math.isfinite(loss_t):
@@ -247,11 +255,29 @@ class NumericWatch:
         return torch.stack(out)
 
 
+def _local(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def _screen(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of every gradient element: NaN or inf when any element is (and, rarely, when
+    huge finite ones overflow: `_any_nonfinite` then decides). One pass, cheaper than a norm
+    (50 against 75 us over the recipe model's 0.4 M gradients, measured on one CPU thread)."""
+    sums: dict[Any, list[torch.Tensor]] = {}
+    for g in _local(grads):
+        sums.setdefault(g.device, []).append(g.sum(dtype=torch.float32))
+    return torch.stack([torch.stack(group).sum().cpu() for group in sums.values()]).sum()
+
+
+def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
+    return any(not bool(torch.isfinite(g).all()) for g in _local(grads))
+
+
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm over this rank's gradients (local shards of DTensors): NaN or inf when any
     element is. One fused pass per device (torch.nn.utils.get_total_norm, foreach where the
     device has it); the result stays on the device."""
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    local = _local(grads)
     by_device: dict[Any, list[torch.Tensor]] = {}
     for g in local:
         by_device.setdefault(g.device, []).append(g)

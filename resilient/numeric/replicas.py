@@ -23,16 +23,29 @@ from torch import nn
 
 from resilient.dist.groups import DistContext
 
-__all__ = ["odd_ranks", "replica_fingerprint", "replicas_agree"]
+__all__ = ["local_fingerprint", "odd_ranks", "replica_fingerprint", "replicas_agree"]
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
-@torch.no_grad()
 def replica_fingerprint(model: nn.Module) -> int:
     """Sum over every parameter and buffer of its elements read as integers (int64)."""
+    return _int_sum([*model.parameters(), *model.buffers()])
+
+
+def local_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """As replica_fingerprint, over this rank's own part (the local shards of DTensors) of
+    the parameters, buffers and optimizer state: what a re-run of a step must reproduce."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        tensors += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return _int_sum([t.to_local() if hasattr(t, "to_local") else t for t in tensors])
+
+
+@torch.no_grad()
+def _int_sum(tensors: list[torch.Tensor]) -> int:
     total = torch.zeros((), dtype=torch.int64)
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in tensors:
         data = t.detach()
         if data.numel() == 0:
             continue

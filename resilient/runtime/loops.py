@@ -139,6 +139,8 @@ class Loops:
                 self._open_step(step)
                 yield step
                 self._numeric_check(can_roll_back=self.guards.rollback is not None)
+                if self.snapshots.pending is None:  # a sampled step runs twice (numeric)
+                    self._numeric.rerun(step)
                 if self.snapshots.pending is not None:  # agreed: every rank
                     self._open = None
                     self._progress.flush()  # the replayed steps start a new window
@@ -275,7 +277,8 @@ class Loops:
         elif self._numeric.replicas_due(self.step):
             self._numeric.check_replicas(self.step)
         if self.guards.rollback is not None:  # off in epochs(): a copy nothing could use
-            self.snapshots.after_step(self.step, force=saved)
+            force = saved or self._numeric.rerun_due(self.step)  # a re-run starts there
+            self.snapshots.after_step(self.step, force=force)
         if self._mark_stepped:  # the agent starts its next spare then (supervisor/hot.py)
             self._mark_stepped = False
             assert self.hot is not None

@@ -16,7 +16,7 @@ from typing import Any
 from resilient.dist.exits import exit_now
 from resilient.exitcodes import ExitCode
 from resilient.numeric.detect import Fault
-from resilient.numeric.replicas import odd_ranks, replicas_agree
+from resilient.numeric.replicas import local_fingerprint, odd_ranks, replicas_agree
 from resilient.numeric.respond import RESTART, ROLLBACK, SKIP, FaultLedger, decide
 
 __all__ = ["NumericResponse"]
@@ -30,6 +30,8 @@ class NumericResponse:
         self._rt = rt
         self.ledger = FaultLedger()
         self._ddp: bool | None = None
+        self._rerun: tuple[int, int] | None = None
+        """A sampled step run once: (step, this rank's fingerprint after it)."""
         self._replaying: Fault | None = None
         """A fault rolled back: when its step closes cleanly, it was transient."""
 
@@ -69,6 +71,8 @@ class NumericResponse:
             why = (
                 "a replica mismatch: snapshots may hold it, the newest checkpoint was checked"
                 if fault.phase == "replica check"
+                else "a re-run differs: which run was right is unknown"
+                if fault.phase == "re-run"
                 else "snapshots are off (snapshot={'enabled': True} rolls back in place)"
                 if not rt.snapshots.enabled
                 else "this loop cannot roll back in place (epochs(), or no snapshot held "
@@ -101,6 +105,50 @@ class NumericResponse:
         )
         rt.log.error("numeric.sdc", step=step, fingerprints=values, odd_ranks=odd)
         self.act(fault, can_roll_back=False)
+
+    def rerun_due(self, step: int) -> bool:
+        """Step `step` is sampled for a re-run (its snapshot must be taken before it)."""
+        config = self._rt.config.numeric
+        return config.rerun and step > 0 and step % config.rerun_every == 0
+
+    def rerun(self, step: int) -> None:
+        """After the body of a sampled step (every rank alike): the first time, note this
+        rank's fingerprint and leave a rollback to the snapshot before the step pending, so
+        the loop runs it again; the second time, compare. A difference on any rank is a
+        numerical fault (silent data corruption: which run was right is unknown, so the run
+        restarts from the newest checkpoint, and a repeat at the same step is persistent)."""
+        rt = self._rt
+        if not self.rerun_due(step) or not rt.snapshots.enabled or rt.state.model is None:
+            return
+        mine = local_fingerprint(rt.state.model, rt.state.optimizer)
+        if self._rerun is None or self._rerun[0] != step:
+            if step not in rt.snapshots.held:  # not every rank holds it: no re-run here
+                rt.log.warning("numeric.rerun.skipped", step=step, held=rt.snapshots.held)
+                return
+            self._rerun = (step, mine)
+            rt.snapshots.pending = step  # the same on every rank: all hold the forced one
+            return
+        first, self._rerun = self._rerun[1], None
+        differs = self._gather_flag(first != mine)
+        if not any(differs):
+            rt.log.debug("numeric.rerun.equal", step=step)
+            return
+        ranks = [r for r, d in enumerate(differs) if d]
+        rt.log.error("numeric.rerun.differs", step=step, ranks=ranks)
+        what = {r: ["a re-run of the step gave other bits"] for r in ranks}
+        self.act(Fault(step=step, ranks=ranks, seen=what, phase="re-run"), can_roll_back=False)
+
+    def _gather_flag(self, flag: bool) -> list[bool]:
+        import torch
+        import torch.distributed as dist
+
+        ctx = self._rt.ctx
+        if not ctx.distributed or ctx.world_size == 1:
+            return [flag]
+        mine = torch.tensor([int(flag)], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+        dist.all_gather(every, mine, group=ctx.control_group)
+        return [bool(int(t)) for t in every]
 
     def _replicated(self) -> bool:
         if self._ddp is None:
