@@ -34,7 +34,7 @@ from resilient.errors import (
 )
 from resilient.storage import Storage
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "keys_said", "misfit"]
 
 
 class Loader:
@@ -182,16 +182,11 @@ class Loader:
             if k.startswith("model.") and not skip(k[len("model.") :])
         }
         where = f"{self.storage.url}/{step_dir(step)}"
-        missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        shapes = sorted(
-            f"{k}: checkpoint {have[k]} vs model {tuple(want[k].shape)}"
-            for k in set(want) & set(have)
-            if have[k] != tuple(want[k].shape)
-        )
+        missing, unexpected, shapes = misfit({k: tuple(t.shape) for k, t in want.items()}, have)
         if shapes or (strict and (missing or unexpected)):
             raise CheckpointMismatchError(
                 f"checkpoint {where} does not fit the model: "
-                + _keys_said(missing, unexpected, shapes)
+                + keys_said(missing, unexpected, shapes)
                 + ". Exclude the keys that differ (init_exclude, or strict=False to load the "
                 "keys both have)."
             )
@@ -256,13 +251,7 @@ class Loader:
             for k, v in saved.items()
             if k.startswith("model.")
         }
-        missing = sorted(set(want) - set(have))
-        unexpected = sorted(set(have) - set(want))
-        shapes = sorted(
-            f"{k}: checkpoint {have[k]} vs model {want[k]}"
-            for k in set(want) & set(have)
-            if have[k] != want[k]
-        )
+        missing, unexpected, shapes = misfit(want, have)
         if missing or unexpected or shapes:
             raise CheckpointMismatchError(
                 f"checkpoint {self.storage.url}/{step_dir(step)} does not match the tracked model: "
@@ -273,7 +262,27 @@ class Loader:
             )
 
 
-def _keys_said(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+Shapes = dict[str, tuple[int, ...]]
+
+
+def misfit(
+    want: Shapes, have: Shapes, *, source: str = "checkpoint"
+) -> tuple[list[str], list[str], list[str]]:
+    """What a model's keys and shapes (`want`) and a source's (`have`) disagree on: the keys
+    missing from the source, those it has beyond the model, and "key: <source> (shape) vs
+    model (shape)" for each shape that differs."""
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    shapes = sorted(
+        f"{k}: {source} {have[k]} vs model {want[k]}"
+        for k in set(want) & set(have)
+        if have[k] != want[k]
+    )
+    return missing, unexpected, shapes
+
+
+def keys_said(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+    """`misfit`'s findings in words, the first ten of each kind, the empty kinds left out."""
+
     def some(keys: list[str]) -> str:
         return f"{keys[:10]}{'...' if len(keys) > 10 else ''}"
 

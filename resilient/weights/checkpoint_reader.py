@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -44,13 +43,14 @@ from resilient.checkpoint._dcp_read import (
     read_metadata_safely,
 )
 from resilient.checkpoint._torch_compat import read_span, tensor_in_record
-from resilient.checkpoint.manifest import Manifest, parse_step_dir, step_dir
+from resilient.checkpoint.manifest import Manifest, step_dir
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from resilient.storage import Buffer
 from resilient.storage.checksum import updater
 from resilient.storage.local import map_file
 from resilient.weights.names import plain_name
 from resilient.weights.optim_state import nest, renamed
+from resilient.weights.sources import step_location
 from resilient.weights.spool import record_ranges, spool_checkpoint
 
 __all__ = ["CheckpointWeights", "TensorSpec", "buffer_bytes", "open_checkpoint"]
@@ -58,7 +58,6 @@ __all__ = ["CheckpointWeights", "TensorSpec", "buffer_bytes", "open_checkpoint"]
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 _METADATA = ".metadata"
-_STEP_DIR = re.compile(r"^(?P<root>.*?)/+(?P<name>step_\d+)/*$")
 _ALIGN = 64
 """Tensors carved out of a read buffer start at multiples of this many bytes."""
 
@@ -94,12 +93,9 @@ def open_checkpoint(
     read or does not match.
     """
     text = os.fspath(url)
-    m = _STEP_DIR.match(text)
-    if m and parse_step_dir(m.group("name")) is not None:
-        named = parse_step_dir(m.group("name"))
-        if step is not None and step != named:
-            raise ConfigError(f"{text} is step {named}, but step {step} was asked for")
-        text, step = m.group("root") or "/", named
+    named = step_location(text, step)
+    if named is not None:
+        text, step = named[0] or "/", named[1]
     mgr = CheckpointManager(
         CheckpointConfig(url=text, storage_options=dict(storage_options or {}), async_save=False)
     )

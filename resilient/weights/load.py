@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from resilient.checkpoint import CheckpointConfig, CheckpointManager
+from resilient.checkpoint.loading import keys_said, misfit
 from resilient.errors import CheckpointMismatchError
 from resilient.log import get_logger
 from resilient.weights.names import matches_any
@@ -117,25 +118,16 @@ def _load_file(
         if isinstance(v, torch.Tensor) and not skip(k)
     }
     have = {k: v for k, v in weights.shapes().items() if not skip(k)}
-    missing, unexpected = sorted(set(live) - set(have)), sorted(set(have) - set(live))
-    shapes = sorted(
-        f"{k}: source {have[k][0]} vs model {tuple(live[k].shape)}"
-        for k in set(live) & set(have)
-        if tuple(have[k][0]) != tuple(live[k].shape)
+    missing, unexpected, shapes = misfit(
+        {k: tuple(v.shape) for k, v in live.items()},
+        {k: tuple(shape) for k, (shape, _dtype) in have.items()},
+        source="source",
     )
     if shapes or (strict and (missing or unexpected)):
-        said = [
-            f"{what} {keys[:10]}{'...' if len(keys) > 10 else ''}"
-            for what, keys in (
-                ("missing keys", missing),
-                ("unexpected keys", unexpected),
-                ("shape mismatches", shapes),
-            )
-            if keys
-        ]
         raise CheckpointMismatchError(
-            f"{source.url} does not fit the model: {', '.join(said)}. Exclude the keys that "
-            "differ (exclude=/init_exclude=), or strict=False to load the keys both have."
+            f"{source.url} does not fit the model: {keys_said(missing, unexpected, shapes)}. "
+            "Exclude the keys that differ (exclude=/init_exclude=), or strict=False to load "
+            "the keys both have."
         )
     names = sorted(set(live) & set(have))
     for name, full in weights.tensors(names):

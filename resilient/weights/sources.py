@@ -29,7 +29,7 @@ from resilient.checkpoint.manifest import parse_step_dir
 from resilient.errors import CheckpointError, ConfigError
 from resilient.weights.names import plain_name
 
-__all__ = ["FileWeights", "Source", "identify"]
+__all__ = ["FileWeights", "Source", "identify", "step_location"]
 
 _STEP_DIR = re.compile(r"^(?P<root>.*?)/+(?P<name>step_\d+)/*$")
 _INDEX = "model.safetensors.index.json"
@@ -45,15 +45,24 @@ class Source:
     """resilient: the step to load (None: the newest committed)."""
 
 
+def step_location(text: str, step: int | None = None) -> tuple[str, int] | None:
+    """A location written down to one of its checkpoints, `<root>/step_000001200`: (root,
+    1200); None for any other text. ConfigError when `step` names another step."""
+    m = _STEP_DIR.match(text)
+    named = parse_step_dir(m.group("name")) if m else None
+    if m is None or named is None:
+        return None
+    if step is not None and step != named:
+        raise ConfigError(f"{text} is step {named}, but step {step} was asked for")
+    return m.group("root"), named
+
+
 def identify(src: str | os.PathLike[str], *, step: int | None = None) -> Source:
     """What `src` is. ConfigError, naming the path and what was expected, when it is none."""
     text = os.fspath(src)
-    m = _STEP_DIR.match(text)
-    if m and parse_step_dir(m.group("name")) is not None:
-        named = parse_step_dir(m.group("name"))
-        if step is not None and step != named:
-            raise ConfigError(f"{text} is step {named}, but step={step} was asked for")
-        return Source("resilient", m.group("root"), named)
+    named = step_location(text, step)
+    if named is not None:
+        return Source("resilient", *named)
     if "://" in text and not text.startswith("file://"):
         return Source("resilient", text, step)  # remote: only resilient checkpoints
     path = Path(text.removeprefix("file://"))
