@@ -192,7 +192,10 @@ def test_a_batch_that_always_fails_stops_the_run_and_keeps_every_good_checkpoint
         (9, "rollback", 1),
         (9, "stop", 2),
     ]
-    assert faults[-1]["origin"] == [1] and faults[-1]["batch"] == {"epoch": 0, "batch": 9}
+    assert faults[-1]["origin"] == [1]
+    assert {k: faults[-1]["batch"][k] for k in ("epoch", "batch")} == {"epoch": 0, "batch": 9}
+    samples = faults[-1]["batch"]["samples"]  # the dataset indices: the sampler can tell
+    assert len(set(samples)) == 8 and faults[0]["batch"]["samples"] == samples  # same inputs
     committed = sorted(p.parent.name for p in (tmp_path / "ckpt").glob("step_*/manifest.json"))
     assert committed == ["step_000000004", "step_000000008"]  # nothing after the fault
     inits = [e for e in run_events(tmp_path / "run", "runtime.init") if e["rank"] == 0]
@@ -231,6 +234,27 @@ def test_a_bit_flipped_in_one_of_three_replicas_is_named_and_undone(
     assert {e["step"] for e in sdc_events} == {8} and sdc_events[0]["odd_ranks"] == [2]
     loads = run_events(tmp_path / "faulty" / "run", "ckpt.load")
     assert {e["step"] for e in loads} == {4}  # the newest checkpoint, checked at its save
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_bit_flipped_while_an_async_save_copies_never_comes_back_from_that_checkpoint(
+    golden_ddp: str, launcher: Launcher, tmp_path: Path
+) -> None:
+    """A flip in the next step's data phase lands while save 8's staging copy may still read
+    the tensors: the check before the save passed, so the copy may hold the flip (it did in
+    4 of 6 runs before the fix, and the run ended 0 with other bits). The mismatch at 9 makes
+    checkpoint 8 suspect: the restart loads 4, and the replay's save of 8 replaces it."""
+    flip = ["bitflip@rank=0,step=8,phase=data"]
+    assert _run(launcher, tmp_path, flip, numeric={"sdc": True, "sdc_every": 3}) == 0
+    assert _digest(tmp_path) == golden_ddp
+    sdc = run_events(tmp_path / "run", "numeric.sdc")
+    assert {(e["step"], tuple(e["suspect"])) for e in sdc} == {(9, (8,))}
+    skipped = run_events(tmp_path / "run", "ckpt.suspect_skipped")
+    assert skipped and all(e["steps"] == [8] for e in skipped)
+    assert {e["step"] for e in run_events(tmp_path / "run", "ckpt.load")} == {4}
+    replaced = {e["dir"] for e in run_events(tmp_path / "run", "ckpt.save.replace_invalid")}
+    assert replaced == {"step_000000008"}
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ __all__ = [
     "parse_faults",
     "read_faults",
     "record_fault",
+    "suspect_steps",
 ]
 
 FAULTS_NAME = "numerical_faults.json"
@@ -90,6 +91,20 @@ def record_fault(storage: Storage, step: int, details: dict[str, Any]) -> list[d
     # default=repr: a detail that JSON cannot hold (a tensor, a path) is kept as its repr
     storage.write_bytes_atomic(FAULTS_NAME, json.dumps(body, indent=1, default=repr).encode())
     return faults
+
+
+def suspect_steps(faults: list[dict[str, Any]]) -> dict[int, float]:
+    """Steps whose checkpoints a fault made suspect (a replica mismatch: saved after the last
+    clean replica check), each with when the newest such fault was recorded. A checkpoint of
+    that step committed before then may hold the corruption; one committed after is a
+    replay's, checked anew."""
+    out: dict[int, float] = {}
+    for f in faults:
+        details = f.get("details") or {}
+        for step in details.get("suspect") or () if isinstance(details, dict) else ():
+            if isinstance(step, int):
+                out[step] = max(out.get(step, 0.0), float(f.get("recorded_at") or 0.0))
+    return out
 
 
 def first_fault_step(faults: list[dict[str, Any]]) -> int | None:

@@ -29,7 +29,7 @@ from resilient.checkpoint._dcp_write import make_writer
 from resilient.checkpoint.collectives import Collectives
 from resilient.checkpoint.commit import prepare_dir, write_manifest
 from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
-from resilient.checkpoint.faults import note_fault, read_faults
+from resilient.checkpoint.faults import note_fault, read_faults, suspect_steps
 from resilient.checkpoint.finite import check_agreed
 from resilient.checkpoint.loading import Loader
 from resilient.checkpoint.manifest import Manifest, read_manifest, step_dir
@@ -297,10 +297,24 @@ class CheckpointManager:
         return None
 
     def candidates(self) -> builtins.list[int]:
-        """Committed steps, newest first, as rank 0 lists them (every rank gets the same)."""
-        return self.collectives.agree(
-            lambda: [i.step for i in reversed(self.list()) if i.committed]
-        )
+        """Committed steps, newest first, as rank 0 lists them (every rank gets the same),
+        without the suspect ones: committed before a replica mismatch named them
+        (faults.suspect_steps). A later save of such a step replaces it."""
+        steps, suspect = self.collectives.agree(self._list_candidates)
+        if suspect:
+            self._rejected.update(suspect)
+            self._log.warning(
+                "ckpt.suspect_skipped",
+                steps=suspect,
+                reason="saved after the last clean replica check before a replica mismatch",
+            )
+        return steps
+
+    def _list_candidates(self) -> tuple[builtins.list[int], builtins.list[int]]:
+        steps = [i.step for i in reversed(self.list()) if i.committed]
+        marked = suspect_steps(read_faults(self.storage)) if steps else {}
+        suspect = [s for s in steps if s in marked and self.read_manifest(s).created_at < marked[s]]
+        return [s for s in steps if s not in suspect], suspect
 
     def try_load(self, state: TrainState, step: int, *, started: float | None = None) -> bool:
         """Verify checkpoint `step` against its manifest and load it into `state`.

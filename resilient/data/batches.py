@@ -156,10 +156,23 @@ class ResumableBatches:
                 return obj
         return None
 
-    def last_batch(self) -> dict[str, int]:
-        """Where the batch taken last comes from: its epoch and its index in that epoch on
-        this rank (for reports that name a batch)."""
-        return {"epoch": self.epoch, "batch": self._start + self._taken - 1}
+    def last_batch(self) -> dict[str, Any]:
+        """Where the batch taken last comes from, for reports that name a batch: its epoch,
+        its index in that epoch on this rank, and its dataset indices ("samples") where the
+        loader can tell: a DistributedSampler, whose order is a pure function of its epoch and
+        seed, and a fixed batch_size. Computed when asked (a fault), never per step."""
+        from torch.utils.data.distributed import DistributedSampler
+
+        batch_size = getattr(self.loader, "batch_size", None)
+        first = self._start // batch_size if batch_size else self._start
+        out: dict[str, Any] = {"epoch": self.epoch, "batch": first + self._taken - 1}
+        sampler = self._distributed_sampler()
+        if sampler is not None and batch_size and self._taken > 0:
+            # the base class's order: the stateful sampler's own __iter__ would skip and count
+            order = list(DistributedSampler.__iter__(sampler))
+            at = self._start + (self._taken - 1) * int(batch_size)
+            out["samples"] = [int(i) for i in order[at : at + int(batch_size)]]
+        return out
 
     def global_position(self) -> tuple[int, int] | None:
         """(epoch, samples all ranks consumed in it), or None when the loader cannot tell

@@ -34,6 +34,9 @@ class NumericResponse:
         """A sampled step run once: (step, this rank's fingerprint after it)."""
         self._replaying: Fault | None = None
         """A fault rolled back: when its step closes cleanly, it was transient."""
+        self._unproven: list[int] = []
+        """Steps saved since the last clean replica check: their staging copy ran after that
+        check, beside training, so a bit flipped meanwhile may be in them (DDP, sdc)."""
 
     def adopt_recorded(self) -> None:
         """At a resume: the faults earlier attempts recorded in the checkpoint location."""
@@ -96,6 +99,9 @@ class NumericResponse:
             return
         values = replicas_agree(model, rt.ctx)
         if values is None:
+            # a save before this step finished its staging copy before this step's forward:
+            # what it copied is what the replicas agree on now
+            self._unproven = [s for s in self._unproven if s >= step]
             return
         odd = odd_ranks(values)
         ranks = odd if odd else list(range(len(values)))
@@ -103,8 +109,15 @@ class NumericResponse:
         fault = Fault(
             step=step, ranks=ranks, seen={r: [what] for r in ranks}, phase="replica check"
         )
-        rt.log.error("numeric.sdc", step=step, fingerprints=values, odd_ranks=odd)
+        rt.log.error(
+            "numeric.sdc", step=step, fingerprints=values, odd_ranks=odd, suspect=self._unproven
+        )
         self.act(fault, can_roll_back=False)
+
+    def saving(self, step: int) -> None:
+        """A save of `step` starts, after its replica check passed (Runtime.save)."""
+        if self._rt.config.numeric.sdc and self._ddp:
+            self._unproven.append(step)
 
     def rerun_due(self, step: int) -> bool:
         """Step `step` is sampled for a re-run (its snapshot must be taken before it)."""
@@ -174,8 +187,11 @@ class NumericResponse:
 
     def _record(self, fault: Fault) -> None:
         try:
+            # a replica mismatch: the checkpoints saved since the last clean check may hold
+            # it; a restart must not load them, and a replay replaces them (checkpoint/faults)
+            suspect = {"suspect": list(self._unproven)} if fault.phase == "replica check" else {}
             self._rt.checkpoints.note_numerical_fault(
-                fault.step, ranks=fault.ranks, seen=fault.event()["seen"]
+                fault.step, ranks=fault.ranks, seen=fault.event()["seen"], **suspect
             )
         except Exception as e:  # the record helps retention; the fault is handled anyway
             self._rt.log.warning("numeric.record_failed", step=fault.step, error=str(e)[:300])

@@ -293,6 +293,7 @@ class Runtime(Loops):
         self._saved_step = self.step
         sync = blocking if blocking is not None else not self.config.checkpoint.async_save
         self._numeric.check_replicas(self.step)  # DDP with sdc on: never save a corrupt replica
+        self._numeric.saving(self.step)
         t0 = time.perf_counter()
         with self.watchdog.phase(Phase.CHECKPOINT):
             self.checkpoints.save(self.state, self.step, blocking=blocking)
