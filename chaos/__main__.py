@@ -10,6 +10,7 @@ python -m chaos repeat --kind sigstop --recipe train_fsdp.py --runs 30 --seed 31
                                                 one fault kind, seeded, with hot/cold counts
 python -m chaos run chaos/scenarios/nan_hot.toml   a numerical fault (issue 27)
 python -m chaos repeat --kind bad_batch --numeric '{"policy": "skip"}' --runs 5
+python -m chaos repeat --kind bitflip --nproc 3 --runs 5    silent data corruption (DDP)
 
 A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
 and prints the one command that runs it again.
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         "--numeric-fraction",
         type=float,
         default=0.1,
-        help="the share of runs with a numerical fault instead (nan, spike, bad_batch; from "
-        "a generator of its own: the other runs keep their schedules; 0: none)",
+        help="the share of runs with a numerical fault instead (nan, spike, bad_batch, "
+        "bitflip; from a generator of its own: the other runs keep their schedules; 0: none)",
     )
     rep = sub.add_parser("repeat", help="one fault kind, seeded, with hot/cold counts")
     rep.add_argument("--kind", required=True, choices=sorted(FAULT_KINDS))
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         type=json.loads,
         default=None,
         help='RESILIENT_NUMERIC for the runs, a JSON object (e.g. \'{"policy": "skip"}\'); '
-        "a spike gets spike detection without it",
+        "a spike gets spike detection without it, a bitflip the replica check (sdc_every 3)",
     )
+    rep.add_argument("--nproc", type=int, default=2, help="ranks (bitflip: 3 names the rank)")
     summ = sub.add_parser("summary", help="a soak's --summary JSON as a Markdown table")
     summ.add_argument("file", type=Path)
     for q in (r, s, rep):
@@ -93,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = [Scenario.load(f) for f in sorted(SCENARIOS.glob("*.toml"))]
     elif args.cmd == "repeat":
         scenarios = repeated(
-            args.kind, args.recipe, args.seed, args.runs, hot=args.hot, numeric=args.numeric
+            args.kind,
+            args.recipe,
+            args.seed,
+            args.runs,
+            hot=args.hot,
+            numeric=args.numeric,
+            nproc=args.nproc,
         )
     else:
         from chaos.launch import hot_recovery_unavailable

@@ -15,7 +15,11 @@ h. (numerical faults) each was seen at its step and answered as its scenario exp
    `numeric.fault` actions, a transient one's `numeric.transient`), and no step faulted that
    no injection poisoned; a stop exited 87; no committed checkpoint holds a NaN or an
    infinity (each one's tensors loaded and checked); the newest checkpoint from before the
-   first fault survived retention
+   first fault survived retention. A bitflip (silent data corruption of one DDP replica):
+   seen by the replica check at the first check step after the flip (chaos/sdc.py), the odd
+   rank named by a majority (3+ ranks) or none (2: the replay decides), every save since the
+   last clean check named suspect and never loaded, a restart from a checkpoint from before
+   the flip, and no save of a step after the flip in its attempt (chaos/check_sdc.py)
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from chaos.observe import _attempt_steps, _epoch
 from chaos.plan import Planned, time_bound_s
 from chaos.procs import events
 from chaos.replay_check import check_replay
-from chaos.scenario import NUMERIC, PREEMPTIONS, Scenario
+from chaos.scenario import NUMERIC, POISON, PREEMPTIONS, SDC, Scenario
 
 __all__ = ["_check"]
 
@@ -104,13 +108,17 @@ def _check(
             completed = inj.completed
         else:  # rank 0 prints a step when it is done
             completed = max(steps[k], default=resumes[k] - 1) + 1
-        if inj.kind in NUMERIC:  # printed, but its update was dropped: not a step done
+        if inj.kind in POISON:  # printed, but its update was dropped: not a step done
             completed = min(completed, p.fault.at_step)
+        # (a bitflip's steps up to its replica check were done, then undone: all lost)
         resumed = resumes[k + 1]
         lost.append(completed - resumed)
         before = [(t, st) for t, st in commits if t <= inj.wall_time]
         newest = max((st for _, st in before), default=0)
         valid = [st for t, st in before if st not in damaged or t > damaged[st]]  # re-saved
+        # a bitflip: a save started after the last clean check may hold it (check_sdc.py)
+        suspect = _suspect(rank0, sc.sdc_check_step(p.fault)) if inj.kind in SDC else set()
+        valid = [st for st in valid if st not in suspect]
         newest_valid = max(valid, default=0)
         if inj.kind in PREEMPTIONS:
             if completed != resumed:
@@ -143,7 +151,17 @@ def _check(
                 f"checkpoint at {newest}: more than 2 intervals behind"
             )
         if due and due not in valid:
-            why.append(f"{inj.kind}: save {due} " + ("damaged" if due in damaged else "in flight"))
+            refused = inj.kind in SDC and due == completed  # the check before it saw the flip
+            state = (
+                "damaged"
+                if due in damaged
+                else "suspect"
+                if due in suspect
+                else "refused"
+                if refused
+                else "in flight"
+            )
+            why.append(f"{inj.kind}: save {due} {state}")
     checks["b_steps_lost"] = f"{lost} (interval {sc.save_every})" + (
         f"; over one interval allowed: {', '.join(why)}" if why else ""
     )
@@ -204,7 +222,13 @@ def _check(
     if numeric:
         checks.update(_check_numeric(sc, out, numeric, rank0, exit_code, failures))
     # f. replayed steps equal the steps they replay (chaos/replay_check.py)
-    checks["f_replay"], replay_failures = check_replay(run_dir)
+    # a bitflip's attempt ran the steps from the flip to its check on a corrupted replica
+    corrupted = {
+        p.attempt: range(p.fault.at_step, sc.sdc_check_step(p.fault))
+        for p in planned
+        if p.fault.kind in SDC
+    }
+    checks["f_replay"], replay_failures = check_replay(run_dir, corrupted)
     failures += replay_failures
     # d. within the time bound
     bound_s = time_bound_s(sc, float(gold["wall_s"]))
@@ -218,6 +242,17 @@ def _check(
     if checks["a_bitwise_equal"] not in ("pass",) and sc.hosts == 1 and stop is None:
         failures.append(f"a: final digest {digest} != golden {gold['digest']}")
     return checks
+
+
+def _suspect(rank0: list[dict[str, Any]], at: int) -> set[int]:
+    """The steps whose saves the replica mismatch at step `at` named suspect (never loaded
+    after it: resilient/runtime/numeric.py)."""
+    return {
+        int(s)
+        for e in rank0
+        if e.get("event") == "numeric.sdc" and e.get("step") == at
+        for s in e.get("suspect") or ()
+    }
 
 
 _HOT_LOST_MAX = 2

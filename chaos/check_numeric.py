@@ -1,14 +1,15 @@
 """Invariant h of chaos/check.py: numerical faults were answered as their scenario expects,
 no committed checkpoint holds a non-finite value, and the newest checkpoint from before the
-first fault survived retention."""
+first fault survived retention. A bitflip's own checks are in chaos/check_sdc.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from chaos.check_sdc import _check_sdc
 from chaos.plan import Planned
-from chaos.scenario import Scenario
+from chaos.scenario import SDC, Fault, Scenario
 
 __all__ = ["_check_numeric"]
 
@@ -39,15 +40,18 @@ def _check_numeric(
     said = []
     for p in planned:
         f = p.fault
+        at = _fault_step(sc, f)
         # "hot" -> [rollback]; "cold then skip" -> [restart, skip]
         words = p.expect.split(" then ")
         want = [_FIRST_ACTION.get(words[0], words[0]), *words[1:]]
-        seen = by_step.get(f.at_step, [])
+        seen = by_step.get(at, [])
         got = [str(e.get("action")) for e in seen]
-        said.append(f"{f.kind}@{f.at_step}: {' -> '.join(got) or 'not seen'}")
+        check = f" (replica check {at})" if at != f.at_step else ""
+        said.append(f"{f.kind}@{f.at_step}{check}: {' -> '.join(got) or 'not seen'}")
         if got != want:
             failures.append(
-                f"h: {f.kind} at step {f.at_step}: numeric.fault actions {got}, expected {want}"
+                f"h: {f.kind} at step {f.at_step}{check}: numeric.fault actions {got}, "
+                f"expected {want}"
             )
         if seen and f.rank not in (seen[0].get("origin") or []):
             failures.append(
@@ -57,19 +61,19 @@ def _check_numeric(
         for action in got:
             confirm = _CONFIRMS.get(action)
             if confirm and not any(
-                e.get("event") == confirm and e.get("step") == f.at_step for e in rank0
+                e.get("event") == confirm and e.get("step") == at for e in rank0
             ):
                 failures.append(f"h: {f.kind} at step {f.at_step}: {action} but no {confirm}")
         # a step rolled back that then passes was transient; a bad batch's never is
         transient = any(
-            e.get("event") == "numeric.transient" and e.get("step") == f.at_step for e in rank0
+            e.get("event") == "numeric.transient" and e.get("step") == at for e in rank0
         )
         if transient != (want == ["rollback"]):
             failures.append(
                 f"h: {f.kind} at step {f.at_step}: numeric.transient "
                 + ("logged for a fault that came back" if transient else "missing")
             )
-    injected = {p.fault.at_step for p in planned}
+    injected = {_fault_step(sc, p.fault) for p in planned}
     for step in sorted(set(by_step) - injected):
         failures.append(
             f"h: a numerical fault at step {step} that no injection made (false positive): "
@@ -81,14 +85,23 @@ def _check_numeric(
         if exit_code != sc.expected_exit:
             failures.append(f"h: stopped at step {stop} with exit {exit_code}, expected 87")
     checks["h_numeric"] = ", ".join(said)
+    flips = [p for p in planned if p.fault.kind in SDC]
+    if flips:
+        checks["h_sdc"] = _check_sdc(sc, flips, rank0, failures)
     if sc.storage != "local":
         checks["h_finite_checkpoints"] = "n/a (S3: its server is gone after the run)"
         return checks
     root = out / "ckpt"
     checks["h_finite_checkpoints"], bad = _finite_checkpoints(root)
     failures += [f"h: {b}" for b in bad]
-    checks["h_last_good_kept"] = _last_good_kept(root, planned, rank0, failures)
+    first = min(injected)
+    checks["h_last_good_kept"] = _last_good_kept(root, first, rank0, failures)
     return checks
+
+
+def _fault_step(sc: Scenario, f: Fault) -> int:
+    """The step `numeric.fault` names: the poisoned step, or a bitflip's replica check."""
+    return sc.sdc_check_step(f) if f.kind in SDC else f.at_step
 
 
 def _finite_checkpoints(root: Path) -> tuple[str, list[str]]:
@@ -142,18 +155,20 @@ def _tensors(prefix: str, value: Any) -> list[tuple[str, Any]]:
 
 
 def _last_good_kept(
-    root: Path, planned: list[Planned], rank0: list[dict[str, Any]], failures: list[str]
+    root: Path, first: int, rank0: list[dict[str, Any]], failures: list[str]
 ) -> str:
-    """The newest checkpoint committed from before the first numerical fault is still there,
-    and the fault is recorded in the location (numerical_faults.json) that retention reads.
+    """The newest checkpoint committed from before the first numerical fault (at step
+    `first`, as numeric.fault names it) is still there, and the fault is recorded in the
+    location (numerical_faults.json) that retention reads.
 
     Checkpoint S holds the state after S steps, so one at the fault's own step is good too;
     retention (resilient/checkpoint/retention.py) keeps the newest at a lower step. Either
-    one kept passes: the newest with a step <= the fault's, or else the newest below it."""
+    one kept passes: the newest with a step <= the fault's, or else the newest below it. (A
+    bitflip's fault step is its replica check's: a checkpoint there was committed only by
+    the replay, which passed that check; check_sdc.py asserts no save after the flip.)"""
     from resilient.checkpoint.faults import FAULTS_NAME, first_fault_step, parse_faults
     from resilient.checkpoint.manifest import MANIFEST_NAME, step_dir
 
-    first = min(p.fault.at_step for p in planned)
     record = root / FAULTS_NAME
     recorded = parse_faults(record.read_bytes(), where=str(record)) if record.exists() else []
     if first_fault_step(recorded) != first:

@@ -19,7 +19,10 @@ from chaos.scenario import (
     HOT_ONLY,
     LOST_PROCESS,
     NUMERIC,
+    POISON,
     S3_ONLY,
+    SDC,
+    SDC_PHASES,
     TWO_HOSTS,
     Fault,
     Scenario,
@@ -45,10 +48,13 @@ def generate(
     a seed stay what they were), run in hot mode with HOT_KINDS; the lost-process kinds only
     with `hot_lost` (where `resilient run --hot-recovery` exists). A `numeric_fraction` of
     them, from a third generator, have one numerical fault instead (NUMERIC; hot mode for a
-    `hot_fraction` of those): every other index keeps the schedule it had without them."""
+    `hot_fraction` of those): every other index keeps the schedule it had without them. A
+    `_BITFLIP_SHARE` of those, from a fourth, are a bitflip (added later: the other numerical
+    draws keep theirs)."""
     rng = random.Random(seed)
     hot_rng = random.Random(f"hot-{seed}")
     numeric_rng = random.Random(f"numeric-{seed}")
+    sdc_rng = random.Random(f"sdc-{seed}")
     out = []
     for i in range(count):
         sc = _draw_cold(rng, seed, i, steps, save_every, max_faults)
@@ -56,6 +62,8 @@ def generate(
             sc = _draw_hot(hot_rng, sc.name, steps, save_every, max_faults, hot_lost)
         if numeric_rng.random() < numeric_fraction:
             sc = _draw_numeric(numeric_rng, sc.name, steps, save_every, hot_fraction)
+            if sdc_rng.random() < _BITFLIP_SHARE:
+                sc = _draw_bitflip(sdc_rng, sc.name, steps, save_every, hot_fraction)
         out.append(sc)
     return out
 
@@ -65,8 +73,18 @@ _SPIKE_SEEN = {"spike_factor": 5.0, "spike_window": 3}
 (the injected one is about 1000 times it; the toy's own loss only falls)."""
 
 
+_SDC_SEEN = {"sdc": True, "sdc_every": 3}
+"""The replica check for a drawn bitflip: every 3 steps, besides the one before each save
+(every 4): a flip is seen 1-3 steps later, by a save's check or by the interval's."""
+_BITFLIP_SHARE = 0.3
+"""The share of the soak's numerical draws that are a bitflip."""
+
+
 def numeric_defaults(kind: str) -> dict[str, Any]:
-    """The numeric settings a fault of `kind` needs to be seen: spike detection for a spike."""
+    """The numeric settings a fault of `kind` needs to be seen: spike detection for a spike,
+    the replica check for a bitflip."""
+    if kind == "bitflip":
+        return dict(_SDC_SEEN)
     return dict(_SPIKE_SEEN) if kind == "spike" else {}
 
 
@@ -76,7 +94,7 @@ def _draw_numeric(
     """One numerical fault: a NaN or a spike once (transient), or a bad batch (persistent,
     under policy skip or stop, NaN or a spike), on either recipe, hot (snapshots on, rolled
     back in place) or cold (restarted from the newest checkpoint)."""
-    kind = rng.choice(sorted(NUMERIC))
+    kind = rng.choice(sorted(POISON))  # a bitflip has a draw of its own (generate)
     hot = rng.random() < hot_fraction
     recipe = rng.choice(["train_ddp.py", "train_fsdp.py"])
     at_step = rng.randrange(save_every + 1, steps - save_every)
@@ -100,6 +118,32 @@ def _draw_numeric(
     )
 
 
+def _draw_bitflip(
+    rng: random.Random, name: str, steps: int, save_every: int, hot_fraction: float
+) -> Scenario:
+    """One bitflip on DDP: 2 ranks (no majority: the replay decides) or 3 (the majority
+    names the rank), any rank, any phase (`step` and `data` too: before the step's save
+    fence, where an async save's copy may take the flip), hot or cold (either way restarted
+    from a checkpoint a clean check proved: a snapshot may hold the flip)."""
+    nproc = rng.choice([2, 3])
+    fault = Fault(
+        kind="bitflip",
+        rank=rng.randrange(nproc),
+        at_step=rng.randrange(save_every + 1, steps - save_every),
+        phase=rng.choice(SDC_PHASES),
+    )
+    return Scenario(
+        name=name,
+        recipe="train_ddp.py",
+        nproc=nproc,
+        steps=steps,
+        save_every=save_every,
+        hot=rng.random() < hot_fraction,
+        numeric=numeric_defaults("bitflip"),
+        faults=[fault],
+    )
+
+
 def repeated(
     kind: str,
     recipe: str,
@@ -108,11 +152,13 @@ def repeated(
     *,
     hot: bool = True,
     numeric: dict[str, Any] | None = None,
+    nproc: int = 2,
 ) -> list[Scenario]:
     """`count` runs of one fault `kind` on `recipe`, its rank, step and phase drawn from `seed`:
     the hot/cold counts of one fault class (issue 31: `sigstop` and `hang` in hot mode).
-    A numerical fault is always in the forward, with `numeric_defaults(kind)` and then
-    `numeric` as the run's RESILIENT_NUMERIC."""
+    A numerical fault is in the forward (a bitflip: any phase of SDC_PHASES), with
+    `numeric_defaults(kind)` and then `numeric` as the run's RESILIENT_NUMERIC. `nproc`
+    ranks (3: a bitflip's odd rank named by the majority)."""
     rng = random.Random(f"repeat-{kind}-{recipe}-{seed}")
     steps, save_every = 24, 4
     settings = {**numeric_defaults(kind), **(numeric or {})}
@@ -120,11 +166,15 @@ def repeated(
     for i in range(count):
         rank = rng.randint(0, 1)
         at_step = rng.randint(save_every + 1, steps - save_every - 1)
-        phase = rng.choice(_IN_STEP)  # drawn for every kind: the old kinds keep their draws
+        # drawn for every kind: the old kinds keep their draws; a bitflip, any phase
+        phase = rng.choice(SDC_PHASES if kind in SDC else _IN_STEP)
+        if nproc > 2:  # after the old draws: a 2-rank run of a seed stays what it was
+            rank = rng.randrange(nproc)
         out.append(
             Scenario(
                 name=f"repeat-{kind}-{recipe.removesuffix('.py')}-{seed}-{i:04d}",
                 recipe=recipe,
+                nproc=nproc,
                 steps=steps,
                 save_every=save_every,
                 hot=hot,
@@ -134,7 +184,7 @@ def repeated(
                         kind=kind,
                         rank=rank,
                         at_step=at_step,
-                        phase="forward" if kind in NUMERIC else phase,
+                        phase="forward" if kind in POISON else phase,
                     )
                 ],
             )

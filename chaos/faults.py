@@ -23,6 +23,9 @@ A fault spec is `KIND@key=value,...`:
     bad_batch@rank=1,step=7,phase=forward    as nan (or spike, with factor=...) every time
                                              the step runs, in every attempt and generation:
                                              a sample that fails whenever it is seen
+    bitflip@rank=2,step=6,phase=optimizer    flip bit `bit` (default 20) of one parameter
+                                             element of this rank's model, once: silent
+                                             data corruption of one DDP replica
 
 Keys: rank (default: every rank), step (default: every step), phase (default: step; any
 resilient phase name), times (how often it fires; default 1, `slow` unlimited), skip (let
@@ -85,9 +88,9 @@ class Fault:
     """The hot-recovery generation it fires in; None: every generation."""
     seconds: float | None = None
     factor: float | None = None
+    """spike, bad_batch: the output's scale (bad_batch without it: NaN)."""
     bit: int = 20
     """bitflip: the bit of the element's 32-bit pattern to flip."""
-    """spike, bad_batch: the output's scale (bad_batch without it: NaN)."""
     skip: int = 0
     """Matches to let pass before firing."""
     fired: int = field(default=0, compare=False)

@@ -31,6 +31,8 @@ __all__ = [
     "HOT_ONLY",
     "LOST_PROCESS",
     "NUMERIC",
+    "POISON",
+    "SDC",
     "Fault",
     "Scenario",
     "expected_recovery",
@@ -72,10 +74,19 @@ FAULT_KINDS = {
     "bad_batch": "NaN (or a spike by `factor`) in that forward every time step `at_step` "
     "runs, in every attempt: a persistent numerical fault; numeric policy skip drops the "
     "step's update and goes on, stop ends the run with ExitCode.NUMERICAL_FAULT (87)",
+    "bitflip": "one bit flipped in one parameter of one DDP rank at (step, phase), once: "
+    "silent data corruption of one replica, seen by the replica check (numeric.sdc) at its "
+    "first check after it and restarted from the newest checkpoint that a later clean check "
+    "proved (one saved after the last clean check before it is suspect, never loaded)",
 }
-NUMERIC = {"nan", "spike", "bad_batch"}
-"""Numerical faults (issue 27): the model's output poisoned in one forward; the runtime's
-numeric checks see them before `optimizer.step()` (resilient/numeric/)."""
+POISON = {"nan", "spike", "bad_batch"}
+"""The model's output poisoned in one forward; the runtime's numeric checks see them before
+`optimizer.step()` (resilient/numeric/)."""
+SDC = {"bitflip"}
+"""Silent data corruption: finite and wrong; only the DDP replica check (numeric.sdc) sees
+it, every `sdc_every` steps and before every save (chaos/sdc.py)."""
+NUMERIC = POISON | SDC
+"""Numerical faults (issue 27)."""
 IN_PROCESS = NUMERIC | {
     "raise",
     "oom",
@@ -132,6 +143,8 @@ def expected_recovery(
     on, the second word from the numeric `policy`."""
     if f.kind in NO_RESTART:
         return "none"
+    if f.kind in SDC:  # snapshots may hold the flip: always from a checkpoint a check proved
+        return "cold"
     if f.kind in NUMERIC:  # no exception: the step loop rolls back (snapshots on) or leaves
         first = "hot" if hot else "cold"
         if f.kind == "bad_batch":
@@ -177,7 +190,7 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(FAULT_KINDS)}")
-        if self.kind in NUMERIC and self.phase != "forward":
+        if self.kind in POISON and self.phase != "forward":
             raise ValueError(
                 f"{self.kind} poisons the model's output: phase must be forward, got {self.phase!r}"
             )
@@ -204,6 +217,11 @@ class Fault:
         return self.factor if self.kind == "bad_batch" else None
 
 
+SDC_PHASES = _PHASES
+"""Where a bitflip may fire: every phase the harness draws. In `step` and `data` (before the
+forward pre-hook that waits for an async save's staging copy) the flip may reach the
+checkpoint of the step before it; the runtime names that save suspect at the mismatch and
+never loads it (chaos/sdc.py, chaos/check_sdc.py)."""
 _SPIKE_FACTOR = 1000.0
 """chaos/faults.py's default scale for a spike."""
 
@@ -288,7 +306,14 @@ class Scenario:
         except (ConfigError, TypeError) as e:
             raise ValueError(f"{self.name}: numeric: {e}") from e
         for f in self.faults:
-            if f.kind not in NUMERIC:
+            if f.kind in SDC and (
+                self.recipe != "train_ddp.py" or self.nproc * self.hosts < 2 or not config.sdc
+            ):
+                raise ValueError(
+                    f"{self.name}: {f.kind} corrupts one DDP replica: it needs train_ddp.py, "
+                    f"two ranks or more and numeric.sdc = true"
+                )
+            if f.kind not in POISON:
                 continue
             scale = f.spike_scale
             if scale is None and not config.nonfinite:
@@ -310,6 +335,21 @@ class Scenario:
                 f"{self.name}: the run stops at the bad batch of step {stop} (numeric policy "
                 f"{config.policy!r}): a fault after it would never run"
             )
+
+    def sdc_check_step(self, f: Fault) -> int:
+        """The step whose replica check must see bitflip `f` (chaos/sdc.py)."""
+        from chaos.sdc import first_check
+
+        every = int(self.numeric.get("sdc_every", 100))
+        return first_check(f.at_step, self.steps, self.save_every, every)
+
+    def sdc_last_clean_step(self, f: Fault) -> int:
+        """The step of the last replica check before bitflip `f` (0: none; chaos/sdc.py): a
+        save of that step or later, started before the flip, is suspect."""
+        from chaos.sdc import last_check
+
+        every = int(self.numeric.get("sdc_every", 100))
+        return last_check(f.at_step, self.steps, self.save_every, every)
 
     @property
     def numeric_policy(self) -> str:

@@ -18,6 +18,7 @@ from chaos.scenario import (
     HOT_ONLY,
     LOST_PROCESS,
     NUMERIC,
+    SDC_PHASES,
     Fault,
     Scenario,
     expected_recovery,
@@ -155,6 +156,9 @@ _EXTENDED = {
     "nan_fsdp_cold",
     "spike_fsdp_hot",
     "bad_batch_stop",
+    # a bit flipped in one of three DDP replicas, named by the majority (25 s with its
+    # fault-free run); CI runs bitflip_rerun (two ranks, the save's own check sees it)
+    "bitflip_majority",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
@@ -696,3 +700,144 @@ def test_the_numeric_check_fails_a_wrong_answer_a_false_positive_and_a_nan_check
     assert failures[1].startswith("h: a numerical fault at step 15 that no injection made")
     assert failures[2] == "h: checkpoint 12 holds non-finite values in ['0.weight']"
     assert failures[3].startswith("h: checkpoint 8, the newest before the first numerical fault")
+
+
+# ---------------------------------------------- silent data corruption: bitflip (issue 27)
+def test_a_bitflip_is_expected_at_the_first_replica_check_after_it_and_restarts_cold():
+    from chaos.launch import _spec
+    from chaos.sdc import check_steps
+
+    assert check_steps(24, 4, 3)[:8] == [3, 4, 6, 8, 9, 12, 15, 16]
+    majority = Scenario.load(SCENARIOS / "bitflip_majority.toml")
+    rerun = Scenario.load(SCENARIOS / "bitflip_rerun.toml")
+    # 13 -> 15 (the interval's check); 6 -> 8 (the save's own check: 6 ran before the flip)
+    assert [sc.sdc_check_step(sc.faults[0]) for sc in (majority, rerun)] == [15, 8]
+    last = Scenario(name="l", numeric={"sdc": True}, faults=[Fault(kind="bitflip", at_step=21)])
+    assert last.sdc_check_step(last.faults[0]) == 24  # sdc_every 100: the final save's check
+    for hot in (False, True):  # a snapshot may hold the flip: never rolled back in place
+        assert expected_recovery(rerun.faults[0], hot=hot) == "cold"
+    ((p,),) = [plan(rerun)]
+    assert (p.expect, p.restarts) == ("cold", True)
+    assert _spec(p) == "--fault=bitflip@rank=0,step=6,phase=forward,restart=0,generation=0"
+    flip = {"kind": "bitflip", "at_step": 9}
+    for data, message in (
+        ({"recipe": "train_fsdp.py", "numeric": {"sdc": True}}, "needs train_ddp.py"),
+        ({}, "numeric.sdc = true"),
+        ({"nproc": 1, "numeric": {"sdc": True}}, "two ranks or more"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Scenario.from_dict({"name": "x", **data, "fault": [flip]})
+    # every phase, before the save fence too: the save of the last clean check's step is
+    # then suspect (chaos/sdc.py): 12 for a flip in 13, none for 6 (the interval's check)
+    assert Fault(kind="bitflip", phase="data").phase == "data"
+    assert [sc.sdc_last_clean_step(sc.faults[0]) for sc in (majority, rerun)] == [12, 6]
+
+
+def test_bitflips_have_a_draw_of_their_own_and_repeat_takes_three_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import chaos.draw
+
+    mixed = generate(2026, 200, hot_fraction=0.25, hot_lost=True, numeric_fraction=0.1)
+    monkeypatch.setattr(chaos.draw, "_BITFLIP_SHARE", 0.0)
+    without = generate(2026, 200, hot_fraction=0.25, hot_lost=True, numeric_fraction=0.1)
+    flips = [sc for sc in mixed if sc.faults[0].kind == "bitflip"]
+    assert len(flips) == 4  # of the seed's 12 numerical draws; the other 196 kept theirs
+    assert all(a == b for a, b in zip(mixed, without, strict=True) if a not in flips)
+    assert {sc.nproc for sc in flips} == {2, 3}
+    for sc in flips:
+        f = sc.faults[0]
+        assert sc.recipe == "train_ddp.py" and sc.numeric == {"sdc": True, "sdc_every": 3}
+        assert f.rank < sc.nproc and f.phase in SDC_PHASES
+    assert {sc.faults[0].phase for sc in flips} == {"backward", "data"}  # every phase drawn
+    runs = repeated("bitflip", "train_ddp.py", 2, 6, hot=False, nproc=3)
+    assert {sc.faults[0].rank for sc in runs} == {0, 1, 2} and all(sc.nproc == 3 for sc in runs)
+    assert all(sc.numeric == {"sdc": True, "sdc_every": 3} for sc in runs)
+
+
+def _sdc_run(
+    at: int,
+    odd: list[int] | None,
+    saved: list[int],
+    loaded: int,
+    suspect: list[int] | None = None,
+    *,
+    committed: bool = False,
+) -> list[dict]:
+    """Rank 0's events of a two-attempt run whose replica check saw a flip at step `at`,
+    naming `suspect` (default: the last of `saved`); `committed`: every save committed, the
+    restart skips the suspect ones and the replay replaces them."""
+
+    def ev(event: str, **kw) -> dict:
+        return {"event": event, **kw}
+
+    suspect = saved[-1:] if suspect is None else suspect
+    return [
+        ev("runtime.init", generation=0),
+        *(ev("ckpt.save.start", step=s) for s in saved),
+        *(ev("ckpt.save.committed", step=s) for s in (saved if committed else ())),
+        ev("numeric.sdc", step=at, fingerprints=[7, 7, 9], odd_ranks=odd, suspect=suspect),
+        ev("numeric.fault", step=at, ranks=odd or [0, 1, 2], phase="replica check"),
+        ev("runtime.init", generation=0),
+        *([ev("ckpt.suspect_skipped", steps=suspect)] if committed and suspect else []),
+        ev("ckpt.load", step=loaded),
+        *(
+            ev("ckpt.save.replace_invalid", dir=f"step_{s:09d}")
+            for s in (suspect if committed else ())
+        ),
+        ev("ckpt.save.committed", step=16),
+        ev("runtime.done", step=24),
+    ]
+
+
+def test_the_sdc_check_fails_a_late_check_a_wrong_rank_a_late_save_and_a_late_restart(
+    tmp_path: Path,
+):
+    """(h) for a bitflip can fail, and (f) leaves out the steps run on a corrupted replica."""
+    from chaos.check_sdc import _check_sdc
+    from chaos.replay_check import check_replay
+
+    sc = Scenario.load(SCENARIOS / "bitflip_majority.toml")  # rank 2 at 13: seen at 15
+    planned = plan(sc)
+    failures: list[str] = []
+    # save 12 started after the clean check at 12: suspect, skipped, the restart from 8
+    said = _check_sdc(sc, planned, _sdc_run(15, [2], [4, 8, 12], 8, committed=True), failures)
+    assert failures == [] and said.startswith("bitflip@13 rank 2: seen at 15 (odd [2]")
+    assert "suspect [12] (last clean check 12), skipped [12], restart from 8, replaced [12]" in said
+    _check_sdc(sc, planned, _sdc_run(16, [1], [12, 16], 16), failures)
+    assert [f.split(": ", 2)[2].split()[0] for f in failures] == ["0", "saves", "the"]
+    assert "expected one in attempt 0" in failures[0] and "[16]" in failures[1]
+    failures = []
+    _check_sdc(sc, planned, _sdc_run(15, [1], [12], 8), failures)
+    assert failures == [
+        "h: bitflip at step 13 on rank 2: numeric.sdc odd_ranks [1] of fingerprints [7, 7, 9], "
+        "expected [2] of 3",
+        "h: bitflip at step 13 on rank 2: numeric.fault at 15 in phase 'replica check' named "
+        "ranks [1], expected 'replica check' and [2]",
+    ]
+    # save 12 suspect: its naming, its skip, the load below it and its replacement can fail
+    failures = []
+    run = _sdc_run(15, [2], [4, 8, 12], 12, suspect=[], committed=True)
+    _check_sdc(sc, planned, run, failures)
+    assert [f.split(": ", 2)[2].split(" (")[0] for f in failures] == [
+        "numeric.sdc at 15 named suspect saves [], expected [12]",
+        "the restart skipped suspect checkpoints []",
+        "the restart loaded 12, expected a checkpoint of a step <= 11",
+        "the replay's saves of suspect steps [12] did not replace them",
+        "loaded suspect checkpoint 12, committed before the fault, never saved again",
+    ]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    fp = {"event": "step.fingerprint", "inputs": "h", "world": 3}
+    lines = [
+        {"event": "runtime.init", "generation": 0},
+        *({**fp, "step": s, "loss": 1.0} for s in range(12, 15)),
+        {"event": "runtime.init", "generation": 0},
+        {"event": "runtime.resume", "step": 12, "from_checkpoint": True},
+        *({**fp, "step": s, "loss": 1.0 if s < 14 else 2.0} for s in range(12, 16)),
+        {"event": "resume.diverged", "step": 14, "rank": 2, "differed": "loss"},
+    ]
+    (logs / "rank2.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert len(check_replay(tmp_path)[1]) == 2  # without the window: both differences fail
+    status, failures = check_replay(tmp_path, {0: range(13, 15)})
+    assert failures == [] and "resume.diverged there as expected: rank 2 at 14" in status
