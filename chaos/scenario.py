@@ -218,10 +218,9 @@ class Fault:
 
 
 SDC_PHASES = _PHASES
-"""Where a bitflip may fire: every phase the harness draws. In `step` and `data` (before the
-forward pre-hook that waits for an async save's staging copy) the flip may reach the
-checkpoint of the step before it; the runtime names that save suspect at the mismatch and
-never loads it (chaos/sdc.py, chaos/check_sdc.py)."""
+"""Where a bitflip may fire: every phase. In `step` and `data` (before the fence on an async
+save's copy) it may reach the save before it, which the runtime then names suspect and never
+loads (chaos/sdc.py, chaos/check_sdc.py)."""
 _SPIKE_FACTOR = 1000.0
 """chaos/faults.py's default scale for a spike."""
 
@@ -344,8 +343,7 @@ class Scenario:
         return first_check(f.at_step, self.steps, self.save_every, every)
 
     def sdc_last_clean_step(self, f: Fault) -> int:
-        """The step of the last replica check before bitflip `f` (0: none; chaos/sdc.py): a
-        save of that step or later, started before the flip, is suspect."""
+        """The last replica check before bitflip `f` (0: none): saves from it on are suspect."""
         from chaos.sdc import last_check
 
         every = int(self.numeric.get("sdc_every", 100))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from resilient.checkpoint.collectives import Collectives
@@ -24,15 +25,19 @@ from resilient.storage import Storage
 
 __all__ = [
     "FAULTS_NAME",
+    "SUSPECT",
     "first_fault_step",
     "note_fault",
     "parse_faults",
     "read_faults",
     "record_fault",
     "suspect_steps",
+    "without_suspect",
 ]
 
 FAULTS_NAME = "numerical_faults.json"
+SUSPECT = "saved after the last clean replica check before a replica mismatch"
+"""Why a checkpoint is suspect (`ckpt.suspect_skipped`)."""
 _KIND = "resilient.numerical_faults"
 _VERSION = 1
 
@@ -105,6 +110,17 @@ def suspect_steps(faults: list[dict[str, Any]]) -> dict[int, float]:
             if isinstance(step, int):
                 out[step] = max(out.get(step, 0.0), float(f.get("recorded_at") or 0.0))
     return out
+
+
+def without_suspect(
+    storage: Storage, steps: list[int], manifest: Callable[[int], Any]
+) -> tuple[list[int], list[int]]:
+    """(`steps` that may be loaded, the suspect ones): a step is suspect when a fault named
+    it and its checkpoint (`manifest(step).created_at`) was committed before that fault was
+    recorded."""
+    marked = suspect_steps(read_faults(storage)) if steps else {}
+    suspect = [s for s in steps if s in marked and manifest(s).created_at < marked[s]]
+    return [s for s in steps if s not in suspect], suspect
 
 
 def first_fault_step(faults: list[dict[str, Any]]) -> int | None:

@@ -29,7 +29,7 @@ from resilient.checkpoint._dcp_write import make_writer
 from resilient.checkpoint.collectives import Collectives
 from resilient.checkpoint.commit import prepare_dir, write_manifest
 from resilient.checkpoint.config import CheckpointConfig, CheckpointInfo
-from resilient.checkpoint.faults import note_fault, read_faults, suspect_steps
+from resilient.checkpoint.faults import SUSPECT, note_fault, read_faults, without_suspect
 from resilient.checkpoint.finite import check_agreed
 from resilient.checkpoint.loading import Loader
 from resilient.checkpoint.manifest import Manifest, read_manifest, step_dir
@@ -162,13 +162,11 @@ class CheckpointManager:
         self._saves.wait_staged()
 
     def wait(self) -> int | None:
-        """Wait for the in-flight save and its retention; return its committed step. Raises
-        the save's error, if any."""
+        """Wait for the save in flight and its retention; its committed step, or its error."""
         return self._saves.wait()
 
     def settle(self) -> None:
-        """Wait for the save in flight and its retention to end, leaving its outcome (an
-        error) to `wait()`."""
+        """Wait for the save in flight and its retention, leaving its error to `wait()`."""
         self._saves.settle()
 
     @property
@@ -176,12 +174,9 @@ class CheckpointManager:
         return self._saves.in_flight
 
     def note_numerical_fault(self, step: int, **details: Any) -> int:
-        """Record a numerical fault at `step` (and `details`) in the location's
-        numerical_faults.json, appended to earlier attempts' (faults.py); return the first
-        fault step recorded there, before which retention keeps the newest checkpoint.
-
-        A collective, after the save in flight has ended (its outcome stays for `wait()`).
-        An unreadable record raises CheckpointError naming the file, and is left as it is."""
+        """Record a numerical fault at `step` (and `details`) in numerical_faults.json
+        (faults.py); return the first fault step recorded there. A collective, after the save
+        in flight has ended; an unreadable record raises CheckpointError naming the file."""
         self.settle()
         return note_fault(self.storage, self.collectives, step, details, self._log)
 
@@ -297,24 +292,16 @@ class CheckpointManager:
         return None
 
     def candidates(self) -> builtins.list[int]:
-        """Committed steps, newest first, as rank 0 lists them (every rank gets the same),
-        without the suspect ones: committed before a replica mismatch named them
-        (faults.suspect_steps). A later save of such a step replaces it."""
-        steps, suspect = self.collectives.agree(self._list_candidates)
+        """Committed steps, newest first, as rank 0 lists them (every rank the same), less the
+        suspect ones (faults.without_suspect), which a later save of their step replaces."""
+        committed = lambda: [i.step for i in reversed(self.list()) if i.committed]  # noqa: E731
+        steps, suspect = self.collectives.agree(
+            lambda: without_suspect(self.storage, committed(), self.read_manifest)
+        )
         if suspect:
             self._rejected.update(suspect)
-            self._log.warning(
-                "ckpt.suspect_skipped",
-                steps=suspect,
-                reason="saved after the last clean replica check before a replica mismatch",
-            )
+            self._log.warning("ckpt.suspect_skipped", steps=suspect, reason=SUSPECT)
         return steps
-
-    def _list_candidates(self) -> tuple[builtins.list[int], builtins.list[int]]:
-        steps = [i.step for i in reversed(self.list()) if i.committed]
-        marked = suspect_steps(read_faults(self.storage)) if steps else {}
-        suspect = [s for s in steps if s in marked and self.read_manifest(s).created_at < marked[s]]
-        return [s for s in steps if s not in suspect], suspect
 
     def try_load(self, state: TrainState, step: int, *, started: float | None = None) -> bool:
         """Verify checkpoint `step` against its manifest and load it into `state`.
