@@ -145,9 +145,16 @@ _EXTENDED = {
     "preemption",
     # tests/test_elastic.py: a host killed (and cut off) twice, the other going on alone
     "node_loss",
-    # tests/test_checkpoint.py (truncated, deleted and corrupt files fall back to the
-    # previous checkpoint) and corrupt_then_kill, which CI runs
+    # tests/test_checkpoint.py and tests/test_cli_errors.py: truncated, deleted and corrupt
+    # files fall back to the previous checkpoint, a corrupt one is never loaded
     "truncate_delete",
+    "corrupt_then_kill",
+    # tests/test_s3.py: saves, loads and faults against the S3 server on loopback
+    "s3_storage",
+    # tests/test_guard.py: exceptions agreed by every rank, rolled back or restarted
+    "exceptions",
+    # tests/test_checkpoint.py: a full disk fails the save, the previous one stays valid
+    "disk_full",
     # numerical faults (issue 27): CI runs bad_batch_skip, whose path holds the others' (a
     # fault seen and agreed before the update, a cold restart recorded in the checkpoint
     # location, the step failing again, the finite checkpoints and the one kept); the
@@ -440,6 +447,7 @@ def test_a_fault_after_a_warm_replacement_is_armed_for_the_next_generation():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 20 s: make soak; tests/test_hot.py covers each in-process fault in CI
 @pytest.mark.timeout(120)
 def test_hot_mode_in_process_faults_recover_as_expected_and_end_bit_exact(tmp_path: Path):
     """An exception rolled back in place, an OOM retried in place, and the same exception

@@ -304,6 +304,7 @@ def test_a_node_still_leaving_when_the_rendezvous_host_has_gone_exits_preempted(
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 50 s: make soak; CI's two-host runs are the exclusion and leaving tests
 @pytest.mark.timeout(420)
 def test_two_hosts_one_drops_out_twice_the_other_continues_and_it_rejoins(tmp_path: Path) -> None:
     """Host A (rendezvous host) and host B, one rank each, --nnodes 1:2, until SIGTERM to A.

@@ -127,6 +127,7 @@ def test_kill_9_one_rank_under_torchrun_restart_is_bit_exact(golden: dict, tmp_p
     assert _digest(tmp_path)["digest"] == golden["train_ddp.py"]["digest"]
 
 
+@pytest.mark.extended  # 22 s: make soak; CI resumes 2-rank DDP and FSDP2 bit for bit
 @pytest.mark.timeout(300)  # three launches of 3 ranks on a small machine
 def test_ddp_on_3_ranks_stop_and_resume_is_bit_exact(tmp_path: Path):
     # DDP reduces a process's first step in one bucket, later ones in rebuilt buckets; on 3

@@ -134,7 +134,10 @@ def test_a_stopped_rank_killed_right_after_the_agents_look_is_replaced_hot(
     assert _digest(tmp_path) == (golden_fsdp if fsdp else golden)[2]
 
 
-@pytest.mark.parametrize(("nproc", "victim", "replicas"), [(2, 1, 1), (3, 0, 1), (2, 1, 0)])
+@pytest.mark.parametrize(
+    ("nproc", "victim", "replicas"),
+    [(2, 1, 1), pytest.param(3, 0, 1, marks=pytest.mark.extended), (2, 1, 0)],
+)
 def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
     golden: dict[int, str], tmp_path: Path, nproc: int, victim: int, replicas: int
 ) -> None:
@@ -250,7 +253,7 @@ def test_a_save_lost_with_the_peer_is_made_again(
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
 
 
-@pytest.mark.parametrize("kind", ["hang", "stop"])
+@pytest.mark.parametrize("kind", ["hang", pytest.param("stop", marks=pytest.mark.extended)])
 def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
     golden: dict[int, str], tmp_path: Path, kind: str
 ) -> None:
@@ -289,7 +292,9 @@ def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
     assert not _events(tmp_path, "recovery.cold")
 
 
-@pytest.mark.parametrize(("nproc", "victim", "buddy"), [(2, 1, 0), (3, 0, 1)])
+@pytest.mark.parametrize(
+    ("nproc", "victim", "buddy"), [(2, 1, 0), pytest.param(3, 0, 1, marks=pytest.mark.extended)]
+)
 def test_a_killed_fsdp2_rank_is_restored_from_its_buddys_replica(
     golden_fsdp: dict[int, str], tmp_path: Path, nproc: int, victim: int, buddy: int
 ) -> None:
