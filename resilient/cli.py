@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from resilient.errors import CheckpointCorruptError, ResilientError
 
@@ -235,16 +235,30 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(fn=export.main)
 
 
+def _live_monitor(*args: Any, **kwargs: Any) -> Any:
+    """resilient.live's LiveMonitor, imported only when a run asks for metrics or a status
+    line; handed to the supervisor, which imports nothing of the live view itself."""
+    from resilient.live.monitor import LiveMonitor
+
+    return LiveMonitor(*args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:  # torchrun's flags: its own parser reads them (supervisor/config.py)
         from resilient.supervisor import main as run_main
 
-        return run_main(argv[1:])
+        return run_main(argv[1:], live=_live_monitor)
     if argv[:1] == ["check-resume"]:  # torchrun's flags too: parsed there (replay/check_resume.py)
+        from resilient.live.status import StatusLine
         from resilient.replay.check_resume import main as check_main
 
-        return check_main(argv[1:])
+        line = StatusLine(mode="auto", every_s=15.0, prefix="check-resume: ")
+        line.own_stderr()
+        try:
+            return check_main(argv[1:], progress=line)
+        finally:
+            line.close()
     parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(

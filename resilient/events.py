@@ -31,6 +31,9 @@ __all__ = [
     "EXPORT_START",
     "EXPORT_VERIFIED",
     "HANG_DETECTED",
+    "HEALTH_CHECK",
+    "HEALTH_DONE",
+    "NODE_EXCLUDED",
     "OOM_RETRY",
     "PREEMPT_EXIT",
     "PREEMPT_STOP",
@@ -52,6 +55,9 @@ __all__ = [
     "RUNTIME_INIT",
     "RUNTIME_RESUME",
     "STEP_FINGERPRINT",
+    "STRAGGLER_DETECTED",
+    "STRAGGLER_SCORES",
+    "TRAIN_LOOP",
     "TRAIN_PROGRESS",
     "WORKER_FAILED",
     "EventTail",
@@ -72,6 +78,8 @@ RUNTIME_DONE = "runtime.done"
 RUNTIME_DIGEST = "runtime.digest"
 """The final state's sha256 (only when $RESILIENT_FINAL_DIGEST is set: check-resume)."""
 TRAIN_PROGRESS = "train.progress"
+TRAIN_LOOP = "train.loop"
+"""A step loop begins: start (the resumed step) and total (where it ends)."""
 """A window of completed steps: first, last, t0, t1, t1_first, busy_s."""
 STEP_FINGERPRINT = "step.fingerprint"
 """Completed steps' fingerprints: first, inputs (one hash per step), loss (or None), world."""
@@ -105,6 +113,17 @@ WORKER_FAILED = "worker.failed"
 PREEMPT_STOP = "preempt.stop"
 PREEMPT_EXIT = "preempt.exit"
 CHAOS_FAULT = "chaos.fault"
+# the node's health and its ranks' pace (resilient run: live metrics, exclusion, eviction)
+STRAGGLER_SCORES = "straggler.scores"
+"""Local rank 0 of a node, every few seconds: scores {rank: median pace / its pace} of every
+warm rank, and node_ranks (the global ranks of its node)."""
+STRAGGLER_DETECTED = "straggler.detected"
+HEALTH_CHECK = "health.check"
+"""The supervisor ran one node check: name, ok, skipped, value, threshold, seconds."""
+HEALTH_DONE = "health.done"
+"""All of a round's node checks: ok, seconds, failed (names)."""
+NODE_EXCLUDED = "node.excluded"
+"""This node leaves the job before a rendezvous round: reason (health or straggler), detail."""
 # recoveries without a restart (resilient report tells them from cold restarts)
 ROLLBACK_AGREED = "rollback.agreed"
 ROLLBACK_REFUSED = "rollback.refused"

@@ -31,6 +31,7 @@ class ExitCode(enum.IntEnum):
     CRASH_LOOP = 86
     NUMERICAL_FAULT = 87
     RESTARTS_EXHAUSTED = 88
+    NODE_EXCLUDED = 89
     USAGE = 2
     """Python's and argparse's usage-error code, kept for `resilient run`'s own checks."""
 
@@ -72,6 +73,12 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.RESTARTS_EXHAUSTED: (
         "resilient run: --max-restarts restarts were used up while checkpoints still "
         "advanced; requeueing resumes from the newest checkpoint"
+    ),
+    ExitCode.NODE_EXCLUDED: (
+        "resilient run: this node left the job before a rendezvous round: it failed a health "
+        "check (the report names each check with its measured value) or stayed a straggler "
+        "(--evict-stragglers). With --nnodes MIN:MAX the other nodes go on without it. Fix or "
+        "replace the node; do not requeue it as it is"
     ),
     ExitCode.USAGE: (
         "bad command line or configuration (unknown flag, missing script, invalid value); "

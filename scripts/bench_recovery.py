@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.events import read_events
+from resilient.live.status import StatusLine
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_recovery_worker.py"
@@ -340,8 +341,10 @@ def _snapshot_overhead(
     final: list[int] = []
     within: list[float] = []
     copy_over_step: list[float] = []
+    progress = _Runs("snapshot overhead", pairs * len(variants))
     for i in range(pairs):
         for name, snap in variants.items():
+            progress.next(name)
             d = base / f"overhead{i}-{name}"
             cmd = _cmd(d, width, 10.0, *worker)
             if fsdp and snap["enabled"]:
@@ -361,6 +364,7 @@ def _snapshot_overhead(
                     every.append(e["every_steps"])
                     if e.get("copy_s") and e.get("step_s"):
                         copy_over_step.append(e["copy_s"] / e["step_s"])
+    progress.done()
     ratio = _over_off(per, ("every_step", "adaptive"))
     ratio_median = _over_off(per_median, ("every_step", "adaptive"))
     return {
@@ -392,6 +396,24 @@ def _snapshot_overhead(
     }
 
 
+class _Runs:
+    """The runs done of a series, on one status line on stderr (stdout's last line stays the
+    JSON result)."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.n = what, total, 0
+        self.t0 = time.monotonic()
+        self.line = StatusLine(mode="auto", prefix="bench_recovery: ")
+
+    def next(self, name: str) -> None:
+        took = f", {time.monotonic() - self.t0:.0f} s so far" if self.n else ""
+        self.line.show(f"{self.what}: run {self.n + 1} of {self.total} ({name}){took}", force=True)
+        self.n += 1
+
+    def done(self) -> None:
+        self.line.close(f"{self.what}: {self.n} runs done in {time.monotonic() - self.t0:.0f} s")
+
+
 def _over_off(per: dict[str, list[float]], keys: tuple[str, ...]) -> dict[str, list[float]]:
     """Each variant's seconds per step over those of the "off" run of the same round."""
     return {k: [on / off for on, off in zip(per[k], per["off"], strict=True)] for k in keys}
@@ -408,8 +430,10 @@ def _replica_paths(base: Path, width: int, steps: int, pairs: int) -> dict[str, 
         "buddy": {"enabled": True, "every_steps": 1, "replicas": 1},
     }
     per: dict[str, list[float]] = {k: [] for k in variants}
+    progress = _Runs("replica paths", pairs * len(variants))
     for i in range(pairs):
         for name, snap in variants.items():
+            progress.next(name)
             d = base / f"paths{i}-{name}"
             cmd = _cmd(d, width, 10.0, *worker)
             if snap is not None:
@@ -417,6 +441,7 @@ def _replica_paths(base: Path, width: int, steps: int, pairs: int) -> dict[str, 
             _launch_to_end(d, cmd, snap or {"enabled": False})
             _, median = _per_step(d / "rec", SETTLED if steps >= 2 * SETTLED else 5)
             per[name].append(median)
+    progress.done()
     ratio = _over_off(per, ("store", "buddy"))
     return {
         "median_step_s": {k: [round(x, 5) for x in v] for k, v in per.items()},

@@ -61,6 +61,9 @@ class WatchdogConfig:
     this multiple of the median; None to turn straggler reports off."""
     straggler_patience: int = 5
     """...for this many consecutive monitor periods in which steps advanced."""
+    straggler_scores_every_s: float | None = 10.0
+    """Local rank 0 of each node logs every rank's straggler score (`straggler.scores`) this
+    often: the live metrics and `resilient run --evict-stragglers` read it. None: never."""
     dump_stacks: bool = True
     """A stalled rank writes its Python stacks to <run_dir>/stacks/rank<R>.txt before exiting."""
     dump_signal: str | None = "SIGUSR2"
@@ -126,6 +129,11 @@ class WatchdogConfig:
             )
         if self.straggler_factor is not None and not self.straggler_factor > 1:
             raise ConfigError(f"straggler_factor must be > 1 or None, got {self.straggler_factor}")
+        if self.straggler_scores_every_s is not None and not self.straggler_scores_every_s > 0:
+            raise ConfigError(
+                "straggler_scores_every_s must be > 0 seconds or None, got "
+                f"{self.straggler_scores_every_s}"
+            )
         if self.straggler_patience < 1:
             raise ConfigError(f"straggler_patience must be >= 1, got {self.straggler_patience}")
         if self.dump_signal is not None and not isinstance(

@@ -48,6 +48,7 @@ __all__ = [
     "WatchdogConfig",
     "decode_beats",
     "encode_beat",
+    "straggler_scores",
 ]
 
 _BEAT = struct.Struct("<IIqBBff")
@@ -262,3 +263,20 @@ class HangDetector:
             for i in np.flatnonzero(cleared)
         ]
         return tuple(out)
+
+
+def straggler_scores(payloads: Sequence[bytes], ranks: Sequence[int]) -> dict[int, float]:
+    """Each warm, active rank's straggler score: the median rank's time per step in local
+    phases over its own (1.0: the median's pace, 0.5: twice as slow). Ranks not yet warm
+    (no local time measured) are left out; so is everything while fewer than two are warm."""
+    beats = decode_beats(payloads)
+    local = beats["local"].astype(np.float64)
+    ready = (
+        (np.minimum(beats["phase"], int(Phase.CLOSED)) != Phase.CLOSED)
+        & ((beats["flags"] & FLAG_WARM) != 0)
+        & (local > 0)
+    )
+    if ready.sum() < 2:
+        return {}
+    median = float(np.median(local[ready]))
+    return {int(ranks[int(i)]): median / float(local[i]) for i in np.flatnonzero(ready)}

@@ -35,7 +35,7 @@ from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
-from resilient.hang.heartbeat import HangDetector, encode_beat
+from resilient.hang.heartbeat import HangDetector, encode_beat, straggler_scores
 from resilient.hang.instrument import instrument
 from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase, Progress
 from resilient.hang.verdict import STORE_ERRORS, Verdicts
@@ -75,6 +75,7 @@ class Watchdog(Verdicts):
         self._watch_keys: list[str] = []
         self._signal_file: TextIO | None = None
         self._store_trouble_since: float | None = None
+        self._scores_due = time.monotonic()
         self._log = get_logger()
 
     @property
@@ -245,6 +246,31 @@ class Watchdog(Verdicts):
         if report.detection is not None and not self._stop.is_set():
             verdict, won = self._claim(self._verdict(report.detection))
             self.carry_out(verdict, won)
+            return
+        self._log_scores()
+
+    def _log_scores(self) -> None:
+        """Local rank 0 logs every rank's straggler score, every straggler_scores_every_s:
+        one read of all heartbeats, off the training thread."""
+        every = self.config.straggler_scores_every_s
+        if every is None or self.ctx.local_rank != 0 or self.ctx.world_size < 2:
+            return
+        now = time.monotonic()
+        if now < self._scores_due:
+            return
+        self._scores_due = now + every
+        ranks = range(self.ctx.world_size)
+        scores = straggler_scores(
+            self._store.multi_get([storekeys.heartbeat(r) for r in ranks]), ranks
+        )
+        if scores:
+            first = self.rank - self.ctx.local_rank
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self._log.info(
+                "straggler.scores",
+                scores={str(r): round(v, 3) for r, v in scores.items()},
+                node_ranks=list(range(first, first + local_world)),
+            )
 
     def _publish(self) -> None:
         with self._publish_lock:

@@ -11,7 +11,9 @@ Then it compares, rank by rank, the per-step fingerprints (the first forward inp
 step, and the loss when the script calls rt.observe(loss=...)) of the resumed steps with the
 straight run's, and the final state's sha256 ($RESILIENT_FINAL_DIGEST). It prints PASS, or
 the first step that differs, what differed and the likely causes; exit code 0 on PASS, 1 on a
-divergence, 2 when the check could not run (bad usage, a run failed).
+divergence, 2 when the check could not run (bad usage, a run failed). While a run goes, its
+progress (rank 0's newest step, from its event log) and then the comparison's go to
+`progress` (the command line's status line on stderr, resilient/live/status.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from resilient import events as ev
 from resilient.envvars import ENV_FINAL_DIGEST, ENV_SCRATCH, ENV_STOP_AT
@@ -36,6 +41,14 @@ _USAGE = (
     "usage: resilient check-resume [--steps N] [--keep DIR] [--timeout S] [torchrun flags] "
     "script.py [args]"
 )
+
+
+class Progress(Protocol):
+    """Where progress goes: a status line that is redrawn, and cleared before a line of
+    output (resilient.live.status.StatusLine)."""
+
+    def show(self, text: str) -> object: ...
+    def clear_for_others(self) -> None: ...
 
 
 class _Usage(Exception):
@@ -103,7 +116,14 @@ def _torchrun(args: _Args) -> list[str]:
     ]
 
 
-def _launch(cmd: list[str], scratch: Path, stop_at: int | None, log: Path, timeout: float) -> int:
+def _launch(
+    cmd: list[str],
+    scratch: Path,
+    stop_at: int | None,
+    log: Path,
+    timeout: float,
+    tick: Callable[[], None] | None = None,
+) -> int:
     env = dict(os.environ)
     env[ENV_SCRATCH] = str(scratch)
     env[ENV_FINAL_DIGEST] = "1"
@@ -115,7 +135,7 @@ def _launch(cmd: list[str], scratch: Path, stop_at: int | None, log: Path, timeo
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            return proc.wait(timeout=timeout)
+            return _wait(proc, timeout, tick)
         except subprocess.TimeoutExpired:
             # torchrun passes SIGTERM on to its workers (they run in sessions of their own)
             proc.send_signal(signal.SIGTERM)
@@ -126,6 +146,42 @@ def _launch(cmd: list[str], scratch: Path, stop_at: int | None, log: Path, timeo
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             return -1
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float, tick: Callable[[], None] | None) -> int:
+    """proc.wait(timeout), calling `tick` about twice a second meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        try:
+            return proc.wait(timeout=min(0.5, left))
+        except subprocess.TimeoutExpired:
+            if tick is not None:
+                tick()
+
+
+def _ticker(progress: Progress | None, what: str, run: Path, of: int | None) -> Callable[[], None]:
+    """Shows `what` with rank 0's newest completed step in `run` (read as its log grows)."""
+    tail = ev.EventTail(run / "logs", "rank0.jsonl")
+    t0 = time.monotonic()
+    step: list[int] = []
+
+    def tick() -> None:
+        new = [int(e["last"]) + 1 for e in tail.read_new() if e.get("event") == ev.TRAIN_PROGRESS]
+        step[:] = new[-1:] or step
+        done = f"step {step[-1]}" + (f" of {of}" if of else "") if step else "starting"
+        if progress is not None:
+            progress.show(f"{what}: {done} ({time.monotonic() - t0:.0f} s)")
+
+    return tick
+
+
+def _say(progress: Progress | None, line: str) -> None:
+    if progress is not None:
+        progress.clear_for_others()
+    print(line, flush=True)
 
 
 def _last_launch(run: Path, rank: int) -> list[dict[str, object]]:
@@ -140,13 +196,14 @@ def _digest(events: list[dict[str, object]]) -> object:
     return found[-1] if found else None
 
 
-def check(args: _Args, work: Path) -> int:
+def check(args: _Args, work: Path, progress: Progress | None = None) -> int:
     cmd = _torchrun(args)
     straight, resumed = work / "straight", work / "resumed"
     log = work / "output.log"
     print(f"check-resume: {' '.join(cmd)}\n  scratch: {work}", flush=True)
-    print("  1/3 straight run ...", flush=True)
-    if (rc := _launch(cmd, straight, args.steps, log, args.timeout_s)) != 0:
+    _say(progress, "  1/3 straight run ...")
+    tick = _ticker(progress, "1/3 straight run", straight / "run", args.steps)
+    if (rc := _launch(cmd, straight, args.steps, log, args.timeout_s, tick)) != 0:
         return _failed_run("the straight run", rc, log)
     done = ev.latest_event(straight / "run", ev.RUNTIME_DONE, rank=0)
     n = args.steps or (int(done["step"]) if done and isinstance(done.get("step"), int) else 0)
@@ -158,11 +215,13 @@ def check(args: _Args, work: Path) -> int:
         )
         return 2
     half = n // 2
-    print(f"  2/3 stopped at step {half} of {n} ...", flush=True)
-    if (rc := _launch(cmd, resumed, half, log, args.timeout_s)) != 0:
+    _say(progress, f"  2/3 stopped at step {half} of {n} ...")
+    tick = _ticker(progress, "2/3 run to the stop", resumed / "run", half)
+    if (rc := _launch(cmd, resumed, half, log, args.timeout_s, tick)) != 0:
         return _failed_run("the run stopped halfway", rc, log)
-    print(f"  3/3 resumed from step {half} ...", flush=True)
-    if (rc := _launch(cmd, resumed, n, log, args.timeout_s)) != 0:
+    _say(progress, f"  3/3 resumed from step {half} ...")
+    tick = _ticker(progress, "3/3 resumed run", resumed / "run", n)
+    if (rc := _launch(cmd, resumed, n, log, args.timeout_s, tick)) != 0:
         return _failed_run("the resumed run", rc, log)
     again = ev.latest_event(resumed / "run", ev.RUNTIME_RESUME, rank=0)
     if not again or not again.get("from_checkpoint") or again.get("step") != half:
@@ -173,13 +232,17 @@ def check(args: _Args, work: Path) -> int:
         return 1
     ranks = sorted({int(e["rank"]) for e in ev.read_events(straight / "run", ev.RUNTIME_INIT)})
     compared, first = 0, None
-    for r in ranks:
+    for i, r in enumerate(ranks):
+        if progress is not None:
+            progress.show(f"comparing rank {i + 1} of {len(ranks)}: {compared} step(s) compared")
         before = fingerprints(ev.read_events(straight / "run", rank=r))
         after = fingerprints(_last_launch(resumed / "run", r))
         k, div = compare(before, after, rank=r)
         compared += k
         if div is not None and (first is None or div.step < first.step):
             first = div
+    if progress is not None:
+        progress.clear_for_others()  # the verdict's lines follow
     d_straight = _digest(_last_launch(straight / "run", 0))
     d_resumed = _digest(_last_launch(resumed / "run", 0))
     if first is not None:
@@ -214,7 +277,7 @@ def _failed_run(what: str, rc: int, log: Path) -> int:
     return 2
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, progress: Progress | None = None) -> int:
     try:
         args = _parse(argv)
     except _Help:
@@ -228,9 +291,9 @@ def main(argv: list[str]) -> int:
             print(f"check-resume: --keep {args.keep} is not empty; give a new directory")
             return 2
         args.keep.mkdir(parents=True, exist_ok=True)
-        return check(args, args.keep)
+        return check(args, args.keep, progress)
     work = Path(tempfile.mkdtemp(prefix="resilient-check-resume-"))
     try:
-        return check(args, work)
+        return check(args, work, progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -14,24 +14,30 @@ reference, is what the save cost. That excess is not productive time, and C = ex
 never below the blocked time. Without a clean window near any save (an interval of about two
 progress windows or less), C is `analyze(save_cost_s=...)` if given (a calibration run's),
 else the blocked time (`save_cost_basis` says which).
+
+`analyze_events` is the same analysis of events already read: the live metrics
+(resilient/live/) compute the run's goodput so far with it, every few seconds, so its work
+per window is a bisection, never a scan of every window or save.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from resilient import events as ev
-from resilient.report.logs import load_events
+from resilient.report.logs import _number_attempts_across_launches, load_events
 from resilient.report.optimum import young_daly
 from resilient.report.recovery import recoveries
 from resilient.report.results import RunReport
 
-__all__ = ["analyze"]
+__all__ = ["analyze", "analyze_events", "prepare_events"]
 
 _NEAR_S = 10.0
 """Clean windows of the same attempt within this many seconds are a save window's reference."""
@@ -58,6 +64,14 @@ class _Window:
     @property
     def n(self) -> int:
         return self.last - self.first + 1
+
+
+def _suffix_min(xs: list[int]) -> list[float]:
+    """out[i] = min(xs[i:]), and inf past the end."""
+    out: list[float] = [math.inf] * (len(xs) + 1)
+    for i in range(len(xs) - 1, -1, -1):
+        out[i] = min(out[i + 1], xs[i])
+    return out
 
 
 def _windows(progress: list[dict[str, Any]]) -> list[_Window]:
@@ -110,6 +124,25 @@ def analyze(
     events = load_events(run_dir)
     if not events:
         raise FileNotFoundError(f"no events under {Path(run_dir, 'logs')}")
+    return analyze_events(events, mtbf_s=mtbf_s, save_cost_s=save_cost_s)
+
+
+def prepare_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Events read some other way, made what `load_events` returns: copies (the originals
+    are not changed), each with its float `t` already set, in time order, attempts numbered
+    across launches."""
+    out = sorted((dict(e) for e in events if "t" in e), key=lambda e: e["t"])
+    _number_attempts_across_launches(out)
+    return out
+
+
+def analyze_events(
+    events: list[dict[str, Any]], *, mtbf_s: float | None = None, save_cost_s: float | None = None
+) -> RunReport:
+    """`analyze` of events as `load_events` (or `prepare_events`) returns them; ValueError
+    when there are none."""
+    if not events:
+        raise ValueError("no events")
     rank0 = [e for e in events if e.get("rank") == 0]
     progress = [e for e in rank0 if e.get("event") == "train.progress"]
     inits = [e for e in rank0 if e.get("event") == "runtime.init"]
@@ -126,10 +159,16 @@ def analyze(
     # A step survives when nothing later ran it again: no later attempt resumed at or before
     # it (one that died before resuming has no resume), and no later window of steps started
     # at or before it (a rollback in place, or a hot re-formation, replays within the attempt).
+    # (suffix minima over attempts and over window starts: one bisection per window)
+    resumed = sorted((a, int(r["step"])) for a, r in resumes.items())
+    resumed_after = _suffix_min([s for _, s in resumed])
+    by_t0 = sorted(windows, key=lambda o: o.t0)
+    t0s = [o.t0 for o in by_t0]
+    first_after = _suffix_min([o.first for o in by_t0])
+
     def cut(w: _Window) -> float:
-        later = [int(r["step"]) for a, r in resumes.items() if a > w.attempt]
-        later += [o.first for o in windows if o.t0 > w.t0]
-        return min(later, default=math.inf)
+        later = resumed_after[bisect.bisect_right(resumed, (w.attempt, math.inf))]
+        return min(later, first_after[bisect.bisect_right(t0s, w.t0)])
 
     # saves, as intervals of rank 0's time: start to commit (a save cut short: its start)
     starts = [e for e in rank0 if e.get("event") == "ckpt.save.start"]
@@ -139,19 +178,35 @@ def analyze(
         (e["t"], done_at.get((int(e.get("restart", 0)), int(e["step"])), e["t"])) for e in starts
     ]
 
+    # saves by start: one that ends at or after t began at most `longest` (+1 s) before it
+    by_start = sorted(range(len(saves)), key=lambda i: saves[i][0])
+    starts_at = [saves[i][0] for i in by_start]
+    longest = max([0.0] + [b - a for a, b in saves]) + 1.0
+
     def overlaps(w: _Window) -> list[int]:
-        return [i for i, (a, b) in enumerate(saves) if a <= w.t0 + w.span and b >= w.t0]
+        lo = bisect.bisect_left(starts_at, w.t0 - longest)
+        hi = bisect.bisect_right(starts_at, w.t0 + w.span)
+        return sorted(i for i in by_start[lo:hi] if saves[i][1] >= w.t0)
 
     # reference step from windows that overlap no save (an attempt's first step, alone in its
     # window and slower, is left out): for each save window the median of the clean windows
     # of its attempt within _NEAR_S, since the load of a shared machine moves step times far
     # more than a save does; a save window with none near is left as it is
-    firsts = {min((w.first for w in windows if w.attempt == a), default=-1) for a in attempts}
+    first_of: dict[int, int] = {}
+    for w in windows:
+        first_of[w.attempt] = min(first_of.get(w.attempt, w.first), w.first)
+    firsts = {first_of.get(a, -1) for a in attempts}
     clean = [w for w in windows if not overlaps(w) and not (w.first in firsts and w.n == 1)]
     gap = _median([(w.span - w.busy) / w.gaps for w in clean if w.gaps > 0])
+    clean_by_t0 = sorted(clean, key=lambda c: c.t0)
+    clean_t0s = [c.t0 for c in clean_by_t0]
 
     def reference(w: _Window) -> tuple[float, float] | None:
-        near = [c for c in clean if c.attempt == w.attempt and abs(c.t0 - w.t0) <= _NEAR_S]
+        lo = bisect.bisect_left(clean_t0s, w.t0 - _NEAR_S - 1.0)
+        hi = bisect.bisect_right(clean_t0s, w.t0 + _NEAR_S + 1.0)
+        near = [
+            c for c in clean_by_t0[lo:hi] if c.attempt == w.attempt and abs(c.t0 - w.t0) <= _NEAR_S
+        ]
         b = _median([c.busy / c.n for c in near])
         g = _median([(c.span - c.busy) / c.gaps for c in near if c.gaps > 0])
         return None if b is None or g is None else (b, g)

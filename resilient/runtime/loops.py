@@ -113,9 +113,8 @@ class Loops:
         save_every_steps: int | None = _KEEP,
         save_every_seconds: float | None = _KEEP,
     ) -> Iterator[int]:
-        """Yield step numbers from the resumed step up to `total` (exclusive).
-
-        After each step's body finishes, saves when the policy says so: init()'s
+        """Yield step numbers from the resumed step up to `total` (exclusive). After each
+        step's body finishes, saves when the policy says so: init()'s
         `save_every_steps`/`save_every_seconds`, or, when either is given here, these two
         (None: not on that count). At `total`, or at `stop_at` (leave early with a committed
         checkpoint, e.g. at the end of a time-sliced allocation), a synchronous save. Leaving
@@ -130,6 +129,7 @@ class Loops:
         forced = _env_stop()  # `resilient check-resume` stops a run halfway
         end = end if forced is None else min(end, forced)
         start = self._enter_loop()
+        self.log.info(ev.TRAIN_LOOP, start=start, total=end)  # the live status's ETA
         counter = StepCounter(start, end)  # a rollback rewinds it
         self.snapshots.after_step(start, force=True)
         try:

@@ -206,6 +206,13 @@ class Runtime(Loops):
                     "torchdata.stateful_dataloader.StatefulDataLoader so its position is saved"
                 )
             self._batches = ResumableBatches(loader)
+            # the node's health check sizes /dev/shm from it at the next round (health/host.py)
+            self.log.info(
+                "data.loader",
+                num_workers=int(getattr(loader, "num_workers", 0) or 0),
+                prefetch_factor=getattr(loader, "prefetch_factor", None),
+                batch_size=getattr(loader, "batch_size", None),
+            )
             # its workers must outlive a preemption signal until the agreed stop
             shield_workers(loader, parse_signals(",".join(self.config.preempt.signals)))
             per_rank["loader"] = self._batches

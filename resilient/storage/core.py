@@ -328,6 +328,9 @@ class Storage:
             self.call("probe list", lambda: self.fs.ls(self.root, detail=False))
             self.call("probe delete", lambda: self.fs.rm_file(self.path(probe)))
         except Exception as e:  # any failure here is a configuration problem: say which
+            # a write cut short (a full disk) may leave the probe behind
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self.path(probe))
             raise self.error(e, "is not writable") from e
 
     def error(self, exc: BaseException, what: str) -> StorageError:

@@ -19,6 +19,8 @@ What changes:
   which this agent asks at each look at the group). Anything else, or a failure while a
   generation is still forming, takes the restart path below, with a `recovery.cold` event
   saying why.
+- Before every round after a restart the node's gate (gate.py: health checks, straggler
+  eviction) may say this node leaves: NodeLeaves ends the agent's loop without a rendezvous.
 - Every agent of a rendezvous round agrees on one attempt id, exported as RESILIENT_ATTEMPT:
   the workers' per-attempt store prefix. TORCHELASTIC_RESTART_COUNT differs between nodes
   after one rejoins, and a prefix built from it would split the group.
@@ -45,6 +47,7 @@ from resilient import faultpoints, storekeys
 from resilient.envvars import ENV_ATTEMPT, ENV_STORE
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
+from resilient.supervisor.gate import NodeGate
 from resilient.supervisor.hot import HotReplacer
 from resilient.supervisor.procs import peek_exit, wait_exits
 
@@ -98,9 +101,11 @@ class SupervisedAgent(ElasticAgentBase):
         stop_signal: signal.Signals,
         preempt_signals: tuple[signal.Signals, ...],
         hot_max: int = 0,
+        gate: NodeGate | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **kwargs)
+        self._gate = gate
         self._hot = HotReplacer(
             hot_max=hot_max,
             on_event=hooks.on_event,
@@ -136,6 +141,8 @@ class SupervisedAgent(ElasticAgentBase):
         self._handled = False
         self._hot.start_round(self.attempt_id, hosted)
         pids = super().start_workers(worker_group)
+        if self._gate is not None:
+            self._gate.started(worker_group.workers[0].world_size if worker_group.workers else 0)
         self._hot.start_spare()
         self._hooks.on_start(
             restart=self.restart_count,
@@ -290,6 +297,8 @@ class SupervisedAgent(ElasticAgentBase):
         if delay > 0:
             self._hooks.on_event("restart.backoff", delay_s=round(delay, 3))
             time.sleep(delay)
+        if self._gate is not None:
+            self._gate.check()  # raises NodeLeaves: this node does not join the next round
 
     def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._hot.stop_spare()

@@ -31,6 +31,7 @@ from resilient.envvars import (
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import get_args_parser, parse_min_max_nnodes
+from resilient.supervisor.opsflags import OpsConfig, add_ops_flags, ops_config
 from resilient.supervisor.policy import RestartPolicy
 
 __all__ = ["DEFAULT_MAX_RESTARTS", "SupervisorConfig", "UsageError", "parse_command_line"]
@@ -67,6 +68,8 @@ class SupervisorConfig:
     hot_max: int = 0
     """Hot recoveries of a lost worker per attempt (`--hot-recovery`); 0: off, every failure
     restarts the group (resilient/hot/recovery.py)."""
+    ops: OpsConfig = field(default_factory=OpsConfig)
+    """Health checks, live metrics, the status line, straggler eviction (opsflags.py)."""
 
     def __post_init__(self) -> None:
         if not self.grace_s > 0:
@@ -150,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="hot recoveries per attempt before a failure restarts the group (default 3)",
     )
+    add_ops_flags(parser)
     return parser
 
 
@@ -171,6 +175,7 @@ def parse_command_line(
             crash_loop_restarts=args.crash_loop_restarts,
         )
         signals = tuple(s.name for s in parse_signals(args.preempt_signals))
+        ops = ops_config(args)
     except ConfigError as e:
         raise UsageError(str(e)) from e
     _check_script(args)
@@ -201,6 +206,7 @@ def parse_command_line(
         preempt_signals=signals,
         restart=policy,
         hot_max=args.hot_max if args.hot_recovery else 0,
+        ops=ops,
     )
     return cfg, args
 

@@ -86,6 +86,12 @@ class Supervisor:
             pids=pids,
         )
 
+    def note_health(self, report: Any) -> None:
+        """A round's node checks (resilient.health.HealthReport), for the report."""
+        self.report.health.append(report.to_json())
+        if not report.ok:
+            self.report.write()
+
     def on_event(self, event: str, **fields: Any) -> None:
         self.log.info(event, **fields)
         att = self.current

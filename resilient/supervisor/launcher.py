@@ -10,10 +10,12 @@ keeps the run's record in <run_dir>/supervisor_report.json and <run_dir>/logs/su
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, Wo
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
@@ -40,13 +42,14 @@ from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import config_from_args
 from resilient.supervisor.agent import SupervisedAgent
 from resilient.supervisor.config import UsageError, parse_command_line
+from resilient.supervisor.gate import NodeGate, NodeLeaves
 from resilient.supervisor.hooks import Supervisor
 
 __all__ = ["main"]
 
 
 def _launch(
-    config: LaunchConfig, entrypoint: Any, args: list[str], sup: Supervisor
+    config: LaunchConfig, entrypoint: Any, args: list[str], sup: Supervisor, gate: NodeGate
 ) -> tuple[RunResult | None, int | None]:
     """launch_agent's steps with a SupervisedAgent; returns (result, the agent's stop code)."""
     rdzv_parameters = RendezvousParameters(
@@ -86,6 +89,7 @@ def _launch(
         stop_signal=sup.cfg.signals()[0] if sup.cfg.signals() else signal.SIGTERM,
         preempt_signals=sup.cfg.signals(),
         hot_max=sup.cfg.hot_max,
+        gate=gate,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -93,7 +97,11 @@ def _launch(
     )
     shutdown_rdzv = True
     try:
+        gate.check()  # before the first round, as before every later one (agent.py)
         return agent.run(), agent.stop_code
+    except NodeLeaves:
+        shutdown_rdzv = False  # the others' rendezvous goes on without this node
+        raise
     except SignalException:
         shutdown_rdzv = False  # as torch: a signalled agent leaves the rendezvous open
         raise
@@ -107,13 +115,31 @@ def _launch(
             spec.rdzv_handler.shutdown()
 
 
+def _node_trouble(exc: BaseException) -> bool:
+    """Whether a failed probe of the checkpoint location is the node's state (a full disk, a
+    store this node cannot reach right now) rather than a wrong location or credentials."""
+    from resilient.storage.classify import is_retryable
+
+    e: BaseException | None = exc
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if is_retryable(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _early_signal(signum: int, frame: FrameType | None) -> None:
     # before the agent installs its own handlers: the same exception torch's handler raises
     raise SignalException(f"Process {os.getpid()} got signal {signum}", signal.Signals(signum))
 
 
-def main(argv: list[str]) -> int:
-    """`resilient run ARGS`; returns the exit code (see resilient.exitcodes)."""
+def main(argv: list[str], *, live: Callable[..., Any] | None = None) -> int:
+    """`resilient run ARGS`; returns the exit code (see resilient.exitcodes).
+
+    `live(run_dir, ops, log=...)` makes the live metrics and status line (the cli hands in
+    resilient.live's LiveMonitor: the supervisor does not import the report's analysis)."""
     try:
         cfg, args = parse_command_line(argv)
         config, entrypoint, cmd_args = config_from_args(args)
@@ -130,8 +156,11 @@ def main(argv: list[str]) -> int:
         try:
             Storage(cfg.checkpoint_url).check_writable()
         except (OSError, ResilientError) as e:
-            print(f"resilient run: error: checkpoint location: {e}", file=sys.stderr)
-            return int(ExitCode.USAGE)
+            # a full disk or an unreachable store is this node's health, which the health
+            # check reports (exit NODE_EXCLUDED, measured values); anything else is the command
+            if not (cfg.ops.health_checks and _node_trouble(e)):
+                print(f"resilient run: error: checkpoint location: {e}", file=sys.stderr)
+                return int(ExitCode.USAGE)
     os.makedirs(cfg.run_dir, exist_ok=True)
     if config.max_nodes > 1:
         # torch 2.13's dynamic rendezvous shares the rank-0 agent's TCPStore with the workers
@@ -173,9 +202,16 @@ def main(argv: list[str]) -> int:
         checkpoint_url=cfg.checkpoint_url,
         run_dir=cfg.run_dir,
     )
-    for sig in cfg.signals():
-        signal.signal(sig, _early_signal)
-    code, outcome, reason = _supervise(sup, config, entrypoint, cmd_args)
+    monitor = None
+    if live is not None and (cfg.ops.metrics_port is not None or cfg.ops.status != "off"):
+        monitor = live(cfg.run_dir, cfg.ops, log=sup.log).start()
+    try:
+        for sig in cfg.signals():
+            signal.signal(sig, _early_signal)
+        code, outcome, reason = _supervise(sup, config, entrypoint, cmd_args)
+    finally:
+        if monitor is not None:
+            monitor.close()  # its last status line, before the summary
     last = sup.current
     if last is not None and last.outcome == "running":
         last.outcome, last.ended_at = outcome, time.time()
@@ -190,14 +226,34 @@ def main(argv: list[str]) -> int:
 def _supervise(
     sup: Supervisor, config: LaunchConfig, entrypoint: Any, cmd_args: list[str]
 ) -> tuple[int, str, str | None]:
+    gate = NodeGate(
+        sup.cfg,
+        log=sup.log,
+        logs=sup.logs,
+        nproc_per_node=config.nproc_per_node,
+        min_nodes=config.min_nodes,
+        record=sup.note_health,
+    )
     try:
-        result, stop_code = _launch(config, entrypoint, cmd_args, sup)
+        result, stop_code = _launch(config, entrypoint, cmd_args, sup, gate)
+    except NodeLeaves as e:
+        sup.report.notes.append(f"this node left the job ({e.reason}): {e.detail}")
+        if e.reason == "health" and gate.last_health is not None:  # each check: summary()
+            names = ", ".join(c.name for c in gate.last_health.failed)
+            return int(ExitCode.NODE_EXCLUDED), "node excluded", f"failed health check: {names}"
+        return int(ExitCode.NODE_EXCLUDED), "node excluded", f"{e.reason}: {e.detail}"
     except SignalException as e:
         if e.sigval in sup.cfg.signals():
             return int(ExitCode.PREEMPTED), "preempted", sup.preemption_note()
         return 128 + int(e.sigval), "interrupted", f"launcher got {e.sigval.name}"
     except (RendezvousError, DistError) as e:  # DistError: the rendezvous store failed
-        return 1, "rendezvous failed", f"{type(e).__name__}: {str(e)[:500]}"
+        why = f"{type(e).__name__}: {str(e)[:500]}"
+        if isinstance(e, RendezvousTimeoutError):
+            why += (
+                f"; fewer than --nnodes MIN ({config.min_nodes}) nodes joined in time: a node "
+                "that fails its health checks leaves (its report names them)"
+            )
+        return 1, "rendezvous failed", why
     if result is None:  # the rendezvous was closed by another node: the job is over
         return 0, "finished elsewhere", "the rendezvous was closed by another node"
     if not result.is_failed():

@@ -233,6 +233,8 @@ class SupervisorReport:
     reason: str | None = None
     repeating: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    health: list[dict[str, Any]] = field(default_factory=list)
+    """Each round's node checks (resilient.health.HealthReport.to_json), oldest first."""
 
     def finish(self, code: int, outcome: str, reason: str | None = None) -> None:
         self.exit_code = int(code)
@@ -267,6 +269,13 @@ class SupervisorReport:
                 lines.append(
                     f"  last failure: rank {f.rank} exit {f.exit_code}{where}: "
                     f"{f.error or f.meaning}"
+                )
+        last_health = self.health[-1] if self.health else {}
+        for c in last_health.get("checks", []):
+            if not c.get("ok", True):
+                lines.append(
+                    f"  health check {c.get('name')} failed: {c.get('value')} "
+                    f"(needs {c.get('threshold')}); {c.get('detail')}"
                 )
         lines.append(
             f"  attempts: {len(self.attempts)}; report: {Path(self.run_dir) / self.filename}"
