@@ -165,6 +165,16 @@ def _int(v: Any) -> int:
     return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
 
 
+def _corrupted_steps(events: list[dict[str, Any]]) -> set[int]:
+    """Steps an attempt ran between its last clean replica check and a mismatch: one replica
+    may have been corrupted there, so their losses differ from a clean replay's."""
+    out: set[int] = set()
+    for e in events:
+        if e.get("event") == "numeric.sdc" and isinstance(e.get("clean_since"), int):
+            out.update(range(int(e["clean_since"]), int(e["step"])))
+    return out
+
+
 class ReplayCheck:
     """Compares the fingerprints of replayed steps with the earlier attempts' (online)."""
 
@@ -193,7 +203,20 @@ class ReplayCheck:
             if e.get("event") == ev.RUNTIME_RESUME and not e.get("from_checkpoint"):
                 past.clear()  # a fresh start: what came before is another run
             past.append(e)
-        earlier = {s: f for s, f in fingerprints(past, world=world).items() if s >= resumed_at}
+        corrupted = _corrupted_steps(past)
+        earlier = {
+            s: f
+            for s, f in fingerprints(past, world=world).items()
+            if s >= resumed_at and s not in corrupted
+        }
+        untrusted = sorted(s for s in corrupted if s >= resumed_at)
+        if untrusted:
+            log.info(
+                "resume.untrusted",
+                steps=[untrusted[0], untrusted[-1]],
+                reason="an earlier attempt ran these steps on a corrupted DDP replica "
+                "(numeric.sdc): they are replayed without comparison",
+            )
         if not earlier:
             other = {s for s in fingerprints(past) if s >= resumed_at}
             log.info(

@@ -34,6 +34,9 @@ class NumericResponse:
         """A sampled step run once: (step, this rank's fingerprint after it)."""
         self._replaying: Fault | None = None
         """A fault rolled back: when its step closes cleanly, it was transient."""
+        self._clean_at = 0
+        """The step of the last clean replica check, or of the resume: the replicas agreed
+        there, so a mismatch found later began in a step from this one on."""
         self._unproven: list[int] = []
         """Steps saved since the last clean replica check: their staging copy ran after that
         check, beside training, so a bit flipped meanwhile may be in them (DDP, sdc)."""
@@ -102,6 +105,7 @@ class NumericResponse:
             # a save before this step finished its staging copy before this step's forward:
             # what it copied is what the replicas agree on now
             self._unproven = [s for s in self._unproven if s >= step]
+            self._clean_at = step
             return
         odd = odd_ranks(values)
         ranks = odd if odd else list(range(len(values)))
@@ -110,9 +114,19 @@ class NumericResponse:
             step=step, ranks=ranks, seen={r: [what] for r in ranks}, phase="replica check"
         )
         rt.log.error(
-            "numeric.sdc", step=step, fingerprints=values, odd_ranks=odd, suspect=self._unproven
+            "numeric.sdc",
+            step=step,
+            fingerprints=values,
+            odd_ranks=odd,
+            suspect=self._unproven,
+            clean_since=self._clean_at,  # the replay check trusts no step in [this, step)
         )
         self.act(fault, can_roll_back=False)
+
+    def resumed(self, step: int) -> None:
+        """The state at `step` came from a checkpoint, a snapshot or a fresh start: every
+        replica holds the same bits there."""
+        self._clean_at, self._unproven = step, []
 
     def saving(self, step: int) -> None:
         """A save of `step` starts, after its replica check passed (Runtime.save)."""

@@ -252,6 +252,7 @@ class Runtime(Loops):
                 # rank: the hot resume agreed on it), so the newest checkpoint does not fall
                 # one interval further behind with each hot recovery
                 self._resumed_at(hot.step, loaded=None, hot=True)
+                self._numeric.resumed(self.step)
                 if hot.catch_up:
                     self.save()
                 return self.step
@@ -261,6 +262,7 @@ class Runtime(Loops):
             if loaded is None and self.config.init_from is not None:
                 wiring.init_weights(self.config, self.state, self.ctx.checkpoint_group)
         self._resumed_at(loaded or 0, loaded=loaded, hot=False)
+        self._numeric.resumed(self.step)
         return self.step
 
     def abandon(self, *, drain_s: float) -> bool:
