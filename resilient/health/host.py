@@ -140,38 +140,38 @@ def check_host_memory(
     return ok_check("host_memory", t0, value, threshold)
 
 
-def _logged_per_rank(run_dir: str) -> tuple[int, str] | None:
-    """(bytes, where from): the largest snapshot buffers one rank held in the newest attempt
-    that logged snapshot.memory (within what _windows reads); None when none did."""
+def _newest_attempt(
+    run_dir: str, name: str, usable: Callable[[dict[str, Any]], bool] = lambda e: True
+) -> list[dict[str, Any]]:
+    """The `usable` events called `name` of the newest attempt that logged one (within what
+    _windows reads of the most recent rank logs); [] when none did."""
     logs = [p for p in (Path(run_dir) / "logs").glob("rank*.jsonl") if p.is_file()]
     logs = sorted(logs, key=_mtime, reverse=True)[:MAX_LOGS]
-    found = [e for path in logs for window in _windows(path) for e in _named(window)]
-    sized = [(e, n) for e in found if (n := _held_bytes(e)) is not None]
-    if not sized:
-        return None
-    newest, _ = max(sized, key=lambda en: _when(en[0]))
+    found = [e for p in logs for w in _windows(p) for e in _named(w, name) if usable(e)]
+    if not found:
+        return []
+    newest = max(found, key=_when)
     attempt = (newest.get("run_id"), newest.get("restart"))
-    rank, most = max(
-        ((e.get("rank"), n) for e, n in sized if (e.get("run_id"), e.get("restart")) == attempt),
-        key=lambda rn: rn[1],
-    )
-    return most, f"rank {rank} logged it in restart {attempt[1]}"
+    return [e for e in found if (e.get("run_id"), e.get("restart")) == attempt]
+
+
+def _logged_per_rank(run_dir: str) -> tuple[int, str] | None:
+    """(bytes, where from): the largest snapshot buffers one rank held in the newest attempt
+    that logged snapshot.memory; None when none did."""
+    same = _newest_attempt(run_dir, SNAPSHOT_MEMORY, lambda e: _held_bytes(e) is not None)
+    if not same:
+        return None
+    most = max(same, key=lambda e: _held_bytes(e) or 0)
+    return _held_bytes(
+        most
+    ) or 0, f"rank {most.get('rank')} logged it in restart {most.get('restart')}"
 
 
 def _loader_workers(run_dir: str | None) -> int | None:
     """The most worker processes any rank's loader ran in the newest attempt that logged
     `data.loader`; None when none did (or no run directory)."""
-    if run_dir is None:
-        return None
-    logs = [p for p in (Path(run_dir) / "logs").glob("rank*.jsonl") if p.is_file()]
-    logs = sorted(logs, key=_mtime, reverse=True)[:MAX_LOGS]
-    found = [e for p in logs for w in _windows(p) for e in _named(w, DATA_LOADER)]
-    if not found:
-        return None
-    newest = max(found, key=_when)
-    attempt = (newest.get("run_id"), newest.get("restart"))
-    same = [e for e in found if (e.get("run_id"), e.get("restart")) == attempt]
-    return max(int(e.get("num_workers") or 0) for e in same)
+    same = _newest_attempt(run_dir, DATA_LOADER) if run_dir is not None else []
+    return max((int(e.get("num_workers") or 0) for e in same), default=None)
 
 
 def _windows(path: Path) -> list[bytes]:
@@ -189,7 +189,7 @@ def _windows(path: Path) -> list[bytes]:
         return []
 
 
-def _named(data: bytes, name: str = SNAPSHOT_MEMORY) -> list[dict[str, Any]]:
+def _named(data: bytes, name: str) -> list[dict[str, Any]]:
     """The events called `name` in `data` (lines of JSON). Only the lines that mention it are
     parsed: the others are most of a log."""
     needle = f'"{name}"'.encode()

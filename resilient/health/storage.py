@@ -8,7 +8,7 @@ rendezvous round holds every other node back. Transient errors are still retried
 so one dropped request does not keep a node out.
 
 - checkpoint_reachable: the root is listed within the budget.
-- checkpoint_space: a probe object with a unique name is written to the root and deleted
+- checkpoint_space: Storage.check_writable writes, lists and deletes a probe of a unique name
   (nothing inside a checkpoint directory is touched), and on a local filesystem the free
   space must hold the newest committed checkpoint again, as its manifest records it: the
   next save is written whole before retention deletes an old one.
@@ -18,10 +18,8 @@ so one dropped request does not keep a node out.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +104,7 @@ def check_location(
 def _space(storage: Storage, dirs: list[str]) -> tuple[CheckResult, NewestCheckpoint | None]:
     t0 = time.perf_counter()
     try:
-        _probe(storage)
+        storage.check_writable()  # a unique probe written, listed, deleted; never left behind
     except Exception as e:  # a StorageError that names the fix, or anything under it
         value = storage.redact(f"not writable ({_root_cause(e)})")
         fix = _one_line(storage.redact(str(e)))
@@ -133,21 +131,6 @@ def _space(storage: Storage, dirs: list[str]) -> tuple[CheckResult, NewestCheckp
     else:
         value = "writable; free space not measured: this filesystem does not report it"
     return ok_check(SPACE, t0, value, threshold, note), newest
-
-
-def _probe(storage: Storage) -> None:
-    """Write, then delete, an object of a unique name at the root, as Storage.check_writable
-    does, but never leave it behind: a write that fails half-way (a full disk) removes what
-    it wrote. Raises StorageError naming the fix."""
-    probe = f".resilient-health-{uuid.uuid4().hex[:12]}"
-    try:
-        storage.makedirs()
-        storage.write_bytes_atomic(probe, b"ok")  # as a manifest is written: fsync and rename
-        storage.call("probe delete", lambda: storage.fs.rm_file(storage.path(probe)))
-    except Exception as e:
-        with contextlib.suppress(Exception):
-            storage.remove_file(probe)
-        raise storage.error(e, "is not writable") from e
 
 
 def _newest(storage: Storage, dirs: list[str]) -> tuple[NewestCheckpoint | None, list[str]]:

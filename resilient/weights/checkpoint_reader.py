@@ -15,6 +15,7 @@ neither it nor any value runs code.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import shutil
@@ -72,10 +73,7 @@ class TensorSpec(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def open_checkpoint(

@@ -18,6 +18,7 @@ Two ways, per tensor:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,10 +51,7 @@ class Item:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
