@@ -36,7 +36,7 @@ def round_key(restart: int | None = None) -> str:
 
 def worker_prefix(attempt: str, generation: int = 0) -> str:
     """One attempt's generation: the workers' process groups and their watchdog live under it
-    (dist/groups.py)."""
+    (groups/groups.py)."""
     return f"resilient/attempt_{attempt}" + (f"/gen_{generation}" if generation else "")
 
 

@@ -55,7 +55,7 @@ class Bench:
         import torch.distributed as dist
 
         from resilient import log
-        from resilient.dist.groups import init_distributed
+        from resilient.groups.groups import init_distributed
 
         self.args = args
         self.load_start = os.getloadavg()[0]  # other work on the machine skews every figure

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from resilient.checkpoint import CheckpointConfig, CheckpointManager, TrainState
-from resilient.dist.groups import init_distributed
+from resilient.groups.groups import init_distributed
 
 
 def drop_caches() -> bool:

@@ -173,7 +173,7 @@ def worker(args: argparse.Namespace, *, cleanup: bool) -> None:
             if args.raw:
                 Path(args.raw).write_text(json.dumps(res, indent=1))
     finally:
-        from resilient.dist.groups import shutdown_distributed
+        from resilient.groups.groups import shutdown_distributed
 
         shutdown_distributed(b.ctx)
         if cleanup and b.rank == 0:

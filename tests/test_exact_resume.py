@@ -3,7 +3,7 @@
 2k steps straight vs k steps, every process gone, then k more in fresh processes: the full
 model and optimizer state must be bit-for-bit equal. The same after a kill -9 of one rank
 under torchrun --max-restarts, and for DDP on 3 ranks, where a different gradient-bucket
-layout in the resumed process's first step would change gloo's sums (resilient.dist.ddp).
+layout in the resumed process's first step would change gloo's sums (resilient.groups.ddp).
 A small corpus makes the runs cross an epoch boundary.
 """
 

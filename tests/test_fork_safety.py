@@ -2,7 +2,7 @@
 
 Forking copies every lock in whatever state it is in, held by threads the child does not
 have. The event log's lock is held across fork, so a child's first event cannot hang; the
-watchdog is inert in a child (dist/forksafe.py).
+watchdog is inert in a child (groups/forksafe.py).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import torch
 from helpers import exit_events, launch_ranks, only_event
 
 from chaos.procs import events, latest_event
-from resilient.dist.groups import DistContext
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
+from resilient.groups.groups import DistContext
 from resilient.guard.guard import SPLIT_FILE, Guard
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.watchdog import Watchdog

@@ -9,7 +9,7 @@ generation g+1 (one add), waits for the generation to be complete (one blocking 
 by one set), and the training group's bootstrap exchanges one id through the store (NCCL: one
 set, N-1 gets). gloo's full-mesh rendezvous, an eager gloo group's, sends N(N-1) gets: the
 simulation shows why the side groups cannot be formed eagerly at this size, and what they
-cost now that they connect lazily (dist/_torch_compat.py, lazy_gloo_connections).
+cost now that they connect lazily (groups/_torch_compat.py, lazy_gloo_connections).
 """
 
 from __future__ import annotations

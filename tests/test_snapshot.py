@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from resilient.checkpoint._torch_compat import no_init_step
 from resilient.checkpoint.state import state_digest
-from resilient.dist.groups import DistContext
 from resilient.errors import ConfigError
+from resilient.groups.groups import DistContext
 from resilient.memory.interval import MAX_EVERY, Measurements, wanted_interval
 from resilient.memory.replica import BuddyReplicas, is_sharded, localize, rehydrate
 from resilient.memory.snapshot import SnapshotConfig, Snapshots, StepCounter

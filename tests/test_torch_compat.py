@@ -20,7 +20,7 @@ from resilient._torch_check import (
 
 
 @pytest.mark.parametrize(
-    "module", ["resilient.supervisor._torch_compat", "resilient.dist._torch_compat"]
+    "module", ["resilient.supervisor._torch_compat", "resilient.groups._torch_compat"]
 )
 def test_the_installed_torch_has_what_the_compat_modules_need(module: str) -> None:
     importlib.import_module(module)
@@ -41,7 +41,7 @@ def test_a_missing_name_names_the_torch_version_and_the_feature() -> None:
 
 
 def test_peer_loss_texts() -> None:
-    from resilient.dist._torch_compat import barrier_missing_ranks, is_peer_loss_message
+    from resilient.groups._torch_compat import barrier_missing_ranks, is_peer_loss_message
 
     assert is_peer_loss_message("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     assert not is_peer_loss_message("CUDA error: device-side assert triggered")
@@ -66,7 +66,7 @@ def _lazy_worker(rank: int, port: int, out: str) -> None:
     from datetime import timedelta
     from pathlib import Path
 
-    from resilient.dist._torch_compat import lazy_gloo_connections
+    from resilient.groups._torch_compat import lazy_gloo_connections
 
     store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
@@ -101,7 +101,7 @@ def test_this_torch_connects_side_groups_lazily(tmp_path) -> None:
     import torch.multiprocessing as mp
     from helpers import free_port
 
-    from resilient.dist._torch_compat import GLOO_LAZY_INIT
+    from resilient.groups._torch_compat import GLOO_LAZY_INIT
 
     args = (free_port(), str(tmp_path))
     mp.start_processes(_lazy_worker, args=args, nprocs=3, start_method="spawn")

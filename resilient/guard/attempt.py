@@ -4,7 +4,7 @@ Why the in-place agreement of `rt.micro_batches` with DDP never deadlocks. A ran
 raises must not wait where its peers cannot come. DDP's forward holds no collective once
 the first micro-batch started (its buffer broadcast comes first; micro-batches but the last
 run under no_sync; its one bucket rebuild is done at track() and after a reset,
-dist/ddp.py), and no_sync backwards hold none. The only gradient all-reduce is the last
+groups/ddp.py), and no_sync backwards hold none. The only gradient all-reduce is the last
 micro-batch's backward. Every attempt agrees exactly once on every rank: through a vote, an
 all_reduce(MAX) of a status code on the control group, or, folded into the gradient
 all-reduce, through its result alone (below). All OK: the step goes on. An OOM: every rank
@@ -19,7 +19,7 @@ all-reduce. Where the agreement happens:
   hold no vote of their own: a failing rank, after its `with mb:` block (the failed
   forward's memory is released by then), joins the backward's gradient all-reduce with
   every bucket filled with NaN (the reducer's own join mechanism,
-  dist/_torch_compat.py), so every rank's reduced gradients are NaN. After the synced
+  groups/_torch_compat.py), so every rank's reduced gradients are NaN. After the synced
   backward each rank reads one element of one gradient: finite, the step goes on, at the
   cost of that read. Not finite (a failure, or gradients that overflowed by themselves):
   every rank, the failing one included, holds the vote, which tells the two apart; the
@@ -52,10 +52,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from resilient.dist._torch_compat import match_backward_all_reduce
-from resilient.dist.exits import exit_now
-from resilient.dist.groups import DistContext
 from resilient.exitcodes import ExitCode
+from resilient.groups._torch_compat import match_backward_all_reduce
+from resilient.groups.exits import exit_now
+from resilient.groups.groups import DistContext
 from resilient.guard.failure import classify, short
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.phases import Phase

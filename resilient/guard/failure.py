@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from resilient.dist._torch_compat import is_peer_loss_message
+from resilient.groups._torch_compat import is_peer_loss_message
 
 __all__ = ["classify", "short"]
 

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.dist.exits import exit_now
-from resilient.dist.groups import DistContext
 from resilient.exitcodes import ExitCode
+from resilient.groups.exits import exit_now
+from resilient.groups.groups import DistContext
 from resilient.guard.failure import classify, short
 from resilient.guard.microbatch import MicroBatch, MicroBatches
 from resilient.hang.watchdog import Watchdog

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from resilient.dist._torch_compat import has_python_comm_hook
-from resilient.dist.ddp import reset_reducer
 from resilient.errors import ConfigError
+from resilient.groups._torch_compat import has_python_comm_hook
+from resilient.groups.ddp import reset_reducer
 from resilient.guard.attempt import OK, ROLLBACK, Attempt, Guard, Retry
 from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase
 
@@ -151,7 +151,7 @@ class MicroBatches:
                 # reducer for a backward that never came; the failing rank's did not. Disarm
                 # it on every rank alike (DDP's own _update_process_group does the same), or
                 # the next no_sync backward would all-reduce on some ranks only.
-                reset_reducer(model)  # keeps a pinned bucket layout (dist/ddp.py)
+                reset_reducer(model)  # keeps a pinned bucket layout (groups/ddp.py)
                 model.require_forward_param_sync = True  # as after any step's synced forward
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()

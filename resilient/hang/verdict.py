@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from resilient import events as ev
 from resilient import storekeys
-from resilient.dist.exits import hard_exit
-from resilient.dist.groups import DistContext
 from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
+from resilient.groups.exits import hard_exit
+from resilient.groups.groups import DistContext
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.heartbeat import Detection, decode_beats

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from resilient import storekeys
-from resilient.dist._torch_compat import barrier_missing_ranks
-from resilient.dist.exits import hard_exit
-from resilient.dist.forksafe import after_fork_in_child
-from resilient.dist.groups import DistContext
 from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
+from resilient.groups._torch_compat import barrier_missing_ranks
+from resilient.groups.exits import hard_exit
+from resilient.groups.forksafe import after_fork_in_child
+from resilient.groups.groups import DistContext
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.heartbeat import HangDetector, encode_beat, straggler_scores
@@ -112,7 +112,7 @@ class Watchdog(Verdicts):
         self._thread = threading.Thread(target=self._run, name="resilient-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop, barrier=False)
-        after_fork_in_child(self)  # a DataLoader worker is not this rank (dist/forksafe.py)
+        after_fork_in_child(self)  # a DataLoader worker is not this rank (groups/forksafe.py)
 
     def stop(self, *, barrier: bool = False) -> None:
         """Say "closed" (peers stop expecting heartbeats) and stop the thread. Idempotent.

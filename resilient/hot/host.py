@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from resilient.checkpoint import TrainState
-from resilient.dist.groups import DistContext
+from resilient.groups.groups import DistContext
 from resilient.hang.watchdog import Watchdog
 from resilient.memory.snapshot import Snapshots
 

@@ -45,9 +45,9 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from resilient import events as ev
-from resilient.dist.exits import exit_now
 from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
+from resilient.groups.exits import exit_now
 from resilient.hot import carry, reform, restore
 from resilient.hot.host import RecoveryHost
 from resilient.log import get_logger

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from resilient import events as ev
 from resilient import faultpoints, storekeys
-from resilient.dist.exits import hard_exit
 from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
+from resilient.groups.exits import hard_exit
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
 from resilient.hot import carry

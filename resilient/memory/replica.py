@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from resilient import faultpoints
-from resilient.dist._torch_compat import lazy_gloo_connections
-from resilient.dist.groups import DistContext
+from resilient.groups._torch_compat import lazy_gloo_connections
+from resilient.groups.groups import DistContext
 from resilient.log import get_logger
 from resilient.memory.placement import buddies
 

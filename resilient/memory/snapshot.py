@@ -43,9 +43,9 @@ from torch.distributed.tensor import DTensor
 
 from resilient import faultpoints
 from resilient.checkpoint import TrainState
-from resilient.dist.groups import DistContext
 from resilient.envvars import ENV_SNAPSHOT, json_object_env
 from resilient.errors import ConfigError
+from resilient.groups.groups import DistContext
 from resilient.log import get_logger
 from resilient.memory.interval import Measurements, wanted_interval
 from resilient.memory.replica import BuddyReplicas

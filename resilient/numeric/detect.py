@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.dist.groups import DistContext
+from resilient.groups.groups import DistContext
 from resilient.numeric.config import NumericConfig
 
 __all__ = ["Fault", "NumericWatch"]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resilient.dist.groups import DistContext
+from resilient.groups.groups import DistContext
 
 __all__ = ["local_fingerprint", "odd_ranks", "replica_fingerprint", "replicas_agree"]
 

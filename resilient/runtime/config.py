@@ -65,7 +65,7 @@ class RuntimeConfig:
     it DDP reduces a process's first step in one bucket and later ones in buckets rebuilt in
     gradient-ready order, so on 3 or more ranks the step after a resume sums in another order
     and the run is no longer bit-exact. False keeps DDP's own layout: more communication
-    overlaps the backward pass on large models (resilient.dist.ddp)."""
+    overlaps the backward pass on large models (resilient.groups.ddp)."""
     init_from: str | None = None
     """Initial weights for a run that has no checkpoint of its own yet: a resilient checkpoint
     location (of another run; a `step_*` directory, or `init_step`, picks the step), a Hugging

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from resilient import events as ev
 from resilient.checkpoint import TrainState, state_digest
 from resilient.data.batches import ResumableBatches
-from resilient.dist.groups import DistContext
 from resilient.envvars import ENV_FINAL_DIGEST, ENV_STOP_AT
 from resilient.errors import ConfigError
+from resilient.groups.groups import DistContext
 from resilient.guard.guard import Guard
 from resilient.hang.phases import Phase
 from resilient.hang.watchdog import Watchdog

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from resilient.dist.exits import exit_now
 from resilient.exitcodes import ExitCode
+from resilient.groups.exits import exit_now
 from resilient.numeric.detect import Fault
 from resilient.numeric.replicas import local_fingerprint, odd_ranks, replicas_agree
 from resilient.numeric.respond import RESTART, ROLLBACK, SKIP, FaultLedger, decide
@@ -179,7 +179,7 @@ class NumericResponse:
 
     def _replicated(self) -> bool:
         if self._ddp is None:
-            from resilient.dist.ddp import ddp_modules
+            from resilient.groups.ddp import ddp_modules
 
             model = self._rt.state.model
             self._ddp = model is not None and bool(ddp_modules(model))

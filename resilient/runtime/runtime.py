@@ -23,14 +23,14 @@ from resilient.checkpoint import TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
 from resilient.data.batches import ResumableBatches
 from resilient.data.position import DataPosition
-from resilient.dist.groups import (
+from resilient.envvars import HotMode, parse_signals
+from resilient.errors import ConfigError
+from resilient.groups.groups import (
     DistContext,
     abandon_distributed,
     init_distributed,
     shutdown_distributed,
 )
-from resilient.envvars import HotMode, parse_signals
-from resilient.errors import ConfigError
 from resilient.guard.guard import Guard
 from resilient.guard.microbatch import MicroBatch
 from resilient.hang.phases import Phase

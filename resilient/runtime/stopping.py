@@ -14,9 +14,9 @@ from typing import Any, NoReturn, Protocol
 import torch.distributed as dist
 
 from resilient.checkpoint import CheckpointStore
-from resilient.dist.exits import exit_now
 from resilient.errors import CheckpointError
 from resilient.exitcodes import ExitCode
+from resilient.groups.exits import exit_now
 from resilient.guard.guard import Guard
 from resilient.hang.phases import Phase
 from resilient.hang.watchdog import Watchdog

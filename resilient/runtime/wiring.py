@@ -19,10 +19,10 @@ from torch import nn
 
 from resilient import log
 from resilient.checkpoint import TrainState
-from resilient.dist.ddp import ddp_modules, pin_buckets
-from resilient.dist.groups import DistContext, env_identity
 from resilient.envvars import ENV_RUN_DIR, HotMode
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from resilient.groups.ddp import ddp_modules, pin_buckets
+from resilient.groups.groups import DistContext, env_identity
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
 from resilient.memory.snapshot import Snapshots

@@ -18,7 +18,7 @@ import threading
 import time
 
 from resilient import log
-from resilient.dist.groups import DistContext
+from resilient.groups.groups import DistContext
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.watchdog import Watchdog
 from resilient.preempt.watch import PreemptConfig, PreemptionWatch

@@ -22,7 +22,7 @@ is why `RuntimeConfig.pin_ddp_buckets` can turn it off.
 
 torch has no public way to choose or persist a bucket layout (the bucket sizes are
 construction options, the order is not), so this needs the reducer's private methods; they
-are reached only through dist/_torch_compat.py, which checks them at import.
+are reached only through groups/_torch_compat.py, which checks them at import.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import weakref
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from resilient.dist import _torch_compat as tc
+from resilient.groups import _torch_compat as tc
 
 __all__ = ["ddp_modules", "pin_buckets", "reset_reducer"]
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient import storekeys
 from resilient.envvars import (
     ENV_ATTEMPT,
     ENV_RUN_ID,
@@ -35,9 +36,8 @@ from resilient.envvars import (
     hosted_store,
     int_env,
 )
-from resilient import storekeys
 from resilient.errors import ConfigError
-from resilient.dist._torch_compat import lazy_gloo_connections
+from resilient.groups._torch_compat import lazy_gloo_connections
 
 __all__ = [
     "ENV_ATTEMPT",

@@ -3,7 +3,7 @@
 - DDP's reducer (`_push_all_rebuilt_params`, `_rebuild_buckets`, `_reset_state`) and the DDP
   attributes that say what it does (`_has_rebuilt_buckets`, `_use_python_reducer`,
   `_delay_all_reduce_all_params`): torch has no public way to choose or keep a bucket layout,
-  which exact resume needs (docs/internals.md#g-ddp-bucket-layout). Used by dist/ddp.py.
+  which exact resume needs (docs/internals.md#g-ddp-bucket-layout). Used by groups/ddp.py.
 - The reducer's `_get_zeros_like_grad_buckets` and `_run_comm_hook` (what DDP's join hook,
   `_match_all_reduce_for_bwd_pass`, runs for a rank that ran out of data): one all-reduce
   per gradient bucket, in the reducer's order, through the registered comm hook. The OOM
@@ -58,7 +58,7 @@ __all__ = [
     "uses_python_reducer",
 ]
 
-_FEATURE = "pinning DDP's gradient buckets for exact resume (dist/ddp.py)"
+_FEATURE = "pinning DDP's gradient buckets for exact resume (groups/ddp.py)"
 require_attrs(
     dist.Reducer,
     ("_push_all_rebuilt_params", "_rebuild_buckets", "_reset_state"),
