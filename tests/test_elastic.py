@@ -32,6 +32,7 @@ from resilient.data.batches import ResumableBatches
 from resilient.data.position import DataPosition
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
+from resilient.mesh import MeshLayout
 
 SEED = 0
 
@@ -161,19 +162,19 @@ def test_seek_refuses_what_cannot_be_exact() -> None:
 def test_data_position_keeps_the_global_batch_through_accumulation() -> None:
     ds = _dataset()
     (b,) = _rank_batches(ds, 1, 4)
-    pos = DataPosition(b, world_size=1, global_batch_size=None)
+    pos = DataPosition(b, layout=MeshLayout.flat(1), rank=0, global_batch_size=None)
     assert (pos.global_batch, pos.grad_accum) == (4, 1)
     pos.load_state_dict({"world_size": 2, "global_batch": 8, "epoch": 0, "consumed": 16})
     pos.apply()
     assert (pos.global_batch, pos.grad_accum) == (8, 2)
     assert b.global_position() == (0, 16)
     (c,) = _rank_batches(ds, 1, 3)
-    bad = DataPosition(c, world_size=1, global_batch_size=None)
+    bad = DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=None)
     bad.load_state_dict({"world_size": 2, "global_batch": 8, "epoch": 0, "consumed": 16})
     with pytest.raises(ConfigError, match="does not split"):
         bad.apply()
     with pytest.raises(ConfigError, match="does not split"):
-        DataPosition(c, world_size=1, global_batch_size=10)
+        DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=10)
 
 
 # ---------------------------------------------------------------------- end to end

@@ -54,6 +54,7 @@ def write_manifest(
     entries: list[dict[str, tuple[int, int]]],
     *,
     finite: bool | None = None,
+    layout: str = "",
 ) -> Manifest:
     """Commit checkpoint `step`: check that storage holds every file of `entries` (each rank's
     {file name: (checksum, size)}) at its size, then write the manifest. `finite`: what the
@@ -81,6 +82,7 @@ def write_manifest(
         torch_version=torch.__version__,
         resilient_version=__version__,
         finite=finite,
+        layout=layout,
     )
     storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
     return manifest

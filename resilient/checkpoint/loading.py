@@ -208,14 +208,22 @@ class Loader:
         reader, verifier, md = self._open(step, manifest)
         saved = md.state_dict_metadata
         self._check_fits(state, saved, step)
-        same_world = manifest.world_size == self.world_size
+        same_world = manifest.world_size == self.world_size and manifest.layout == state.layout
         if not same_world:
             self._log.warning(
                 "ckpt.load.reshard",
                 step=step,
                 saved_world_size=manifest.world_size,
                 world_size=self.world_size,
+                **(
+                    {"saved_mesh": manifest.layout, "mesh": state.layout}
+                    if manifest.layout or state.layout
+                    else {}
+                ),
                 note="per-rank state (RNG, dataloader position) is not restored",
+                bitwise=False,
+                reason="another world size or mesh layout: float reductions run in another "
+                "order, so the bits differ from this step on (the samples stay exact)",
             )
         template = state.load_template(
             rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved

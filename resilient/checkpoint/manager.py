@@ -122,7 +122,7 @@ class CheckpointManager:
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
         if blocking:
             sd = state.to_state_dict(step=step, rank=self.rank)
-            self._write_and_commit(sd, step, t0, staged_at=t0, on_loop=True)
+            self._write_and_commit(sd, step, t0, staged_at=t0, on_loop=True, layout=state.layout)
             return
         # The blobs (step, scheduler, RNG, data position) are captured here and torch.save'd
         # on the save's thread: only the tensors go through the stager.
@@ -132,7 +132,9 @@ class CheckpointManager:
         tensors = {k: v for k, v in sd.items() if k not in blobs}
         staged = self._saves.stage(tensors)
         blocked = time.perf_counter() - t0
-        self._saves.submit(self._async_job, staged, blobs, list(sd), step, t0, blocked, built)
+        self._saves.submit(
+            self._async_job, staged, blobs, list(sd), step, t0, blocked, built, state.layout
+        )
 
     def _async_job(
         self,
@@ -143,6 +145,7 @@ class CheckpointManager:
         t0: float,
         blocked: float,
         built: float,
+        layout: str,
     ) -> int | None:
         packed = pack(blobs)  # while the stager copies the tensors
         copies = staged.result()
@@ -155,7 +158,9 @@ class CheckpointManager:
             state_dict_s=round(built, 4),
             staging_s=round(staged_at - t0, 4),
         )
-        return self._write_and_commit(sd, step, t0, staged_at=staged_at, on_loop=False)
+        return self._write_and_commit(
+            sd, step, t0, staged_at=staged_at, on_loop=False, layout=layout
+        )
 
     def wait_staged(self) -> None:
         """Block until the in-flight async save no longer reads live tensors."""
@@ -185,7 +190,14 @@ class CheckpointManager:
         return self.collectives.agree(lambda: [int(f["step"]) for f in read_faults(self.storage)])
 
     def _write_and_commit(
-        self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float, on_loop: bool
+        self,
+        sd: dict[str, Any],
+        step: int,
+        t0: float,
+        *,
+        staged_at: float,
+        on_loop: bool,
+        layout: str = "",
     ) -> int | None:
         rel = step_dir(step)
         # Before anything is written, and outside the handling of storage failures below: a
@@ -217,7 +229,7 @@ class CheckpointManager:
                 entries = self.collectives.gather_all(writer.file_checksums)
                 manifest = self.collectives.agree(
                     lambda: write_manifest(
-                        self.storage, step, self.world_size, entries, finite=True
+                        self.storage, step, self.world_size, entries, finite=True, layout=layout
                     )
                 )
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped

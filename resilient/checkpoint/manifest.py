@@ -74,6 +74,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     checksum: str = DEFAULT
     """The algorithm of every FileEntry.checksum (resilient.storage.checksum.ALGORITHMS)."""
+    layout: str = ""
+    """The saving run's mesh layout (resilient/mesh/layout.py, MeshLayout.signature): "" for
+    a flat data-parallel world and for manifests written before meshes were known."""
     finite: bool | None = None
     """True: every floating-point tensor of the model and optimizer state was checked finite
     before it was written. None: not known (a manifest written before the check existed)."""
@@ -127,6 +130,7 @@ class Manifest:
                 format_version=int(version),
                 checksum=algorithm,
                 finite=finite,
+                layout=str(d.get("layout") or ""),
             )
         except CheckpointCorruptError:
             raise

@@ -108,6 +108,9 @@ class TrainState:
     """Different on each rank: the dataloader position."""
     rng: bool = True
     """Save and restore per-rank RNG states (needed for bit-exact resume with dropout)."""
+    layout: str = ""
+    """The mesh layout's signature (resilient/mesh/): per-rank state loads rank by rank only
+    onto the same world size and layout. "" for a flat data-parallel world."""
     keep_names: bool = True
     """Keep DCP's parameter names between saves instead of resolving them on every save
     (checked against the live model and optimizer at each use: checkpoint/_state_dicts.py)."""

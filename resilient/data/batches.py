@@ -147,6 +147,15 @@ class ResumableBatches:
             self._seek_sampler(self._start)
 
     # ------------------------------------------------------------------ world-size changes
+    def sampler(self) -> Any:
+        """The loader's DistributedSampler (repositionable or not), or None."""
+        from torch.utils.data.distributed import DistributedSampler
+
+        for obj in self._samplers():
+            if isinstance(obj, DistributedSampler):
+                return obj
+        return None
+
     def _distributed_sampler(self) -> Any:
         """The loader's DistributedSampler if it can be repositioned, else None."""
         from torch.utils.data.distributed import DistributedSampler

@@ -97,15 +97,15 @@ def _fp(e: dict[str, Any]) -> Fingerprint:
 
 
 def fingerprints(
-    events: Iterable[dict[str, Any]], *, world: int | None = None
+    events: Iterable[dict[str, Any]], *, world: int | None = None, mesh: str = ""
 ) -> dict[int, Fingerprint]:
     """Step -> fingerprint from `step.fingerprint` events (the later of two wins); with
-    `world`, only those recorded on that world size."""
+    `world`, only those recorded on that world size and mesh layout."""
     out: dict[int, Fingerprint] = {}
     for e in events:
         if e.get("event") != ev.STEP_FINGERPRINT:
             continue
-        if world is not None and e.get("world") != world:
+        if world is not None and (e.get("world"), e.get("mesh", "")) != (world, mesh):
             continue
         out[int(e["step"])] = _fp(e)
     return out
@@ -114,10 +114,11 @@ def fingerprints(
 def across_attempts(rank_events: Iterable[dict[str, Any]]) -> tuple[int, Divergence | None]:
     """Replay check over one rank's whole log: each attempt that resumed from a checkpoint at
     step S is compared, from S on, with what the attempts before it recorded (the newest
-    record of a step wins; only on the same world size). A fresh start forgets the past.
-    Returns (steps compared, first divergence)."""
-    earlier: dict[int, tuple[Fingerprint, int]] = {}  # step -> (fingerprint, world)
-    current: dict[int, tuple[Fingerprint, int]] = {}
+    record of a step wins; only on the same world size and mesh layout). A fresh start
+    forgets the past. Returns (steps compared, first divergence)."""
+    # step -> (fingerprint, (world size, mesh layout))
+    earlier: dict[int, tuple[Fingerprint, tuple[int, str]]] = {}
+    current: dict[int, tuple[Fingerprint, tuple[int, str]]] = {}
     resumed_at: int | None = None
     total, first = 0, None
 
@@ -146,6 +147,6 @@ def across_attempts(rank_events: Iterable[dict[str, Any]]) -> tuple[int, Diverge
                 earlier.clear()
                 resumed_at = None
         elif name == ev.STEP_FINGERPRINT:
-            current[int(e["step"])] = (_fp(e), int(e.get("world", 0)))
+            current[int(e["step"])] = (_fp(e), (int(e.get("world", 0)), str(e.get("mesh", ""))))
     settle()
     return total, first

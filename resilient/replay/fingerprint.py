@@ -41,6 +41,9 @@ class StepFingerprints:
     def __init__(self, log: Any, *, world: int) -> None:
         self._log = log
         self._world = world
+        self.mesh = ""
+        """The mesh layout's signature (set at track()): steps replayed on another layout
+        are not compared, as those on another world size are not."""
         self._armed = False
         self._step = -1
         self._hash: Any = None  # int, or a 0-dim int64 tensor not yet read
@@ -110,7 +113,12 @@ class StepFingerprints:
             if inputs is None and lval is None:
                 continue  # no tracked model ran and no loss was handed over: nothing to say
             self._log.debug(  # the JSON log keeps it; the console shows it at DEBUG
-                ev.STEP_FINGERPRINT, step=step, inputs=inputs, loss=lval, world=self._world
+                ev.STEP_FINGERPRINT,
+                step=step,
+                inputs=inputs,
+                loss=lval,
+                world=self._world,
+                **({"mesh": self.mesh} if self.mesh else {}),
             )
             if self.check is not None and inputs is not None:
                 self.check.record(step, (inputs, lval))
@@ -188,7 +196,14 @@ class ReplayCheck:
 
     @classmethod
     def open(
-        cls, log: Any, log_path: Path | None, *, rank: int, world: int, resumed_at: int
+        cls,
+        log: Any,
+        log_path: Path | None,
+        *,
+        rank: int,
+        world: int,
+        resumed_at: int,
+        mesh: str = "",
     ) -> ReplayCheck | None:
         """After a resume from `resumed_at`: the check against what earlier attempts of this
         rank logged (this process's own events excluded), or None when there is nothing to
@@ -206,7 +221,7 @@ class ReplayCheck:
         corrupted = _corrupted_steps(past)
         earlier = {
             s: f
-            for s, f in fingerprints(past, world=world).items()
+            for s, f in fingerprints(past, world=world, mesh=mesh).items()
             if s >= resumed_at and s not in corrupted
         }
         untrusted = sorted(s for s in corrupted if s >= resumed_at)
@@ -222,7 +237,7 @@ class ReplayCheck:
             log.info(
                 ev.RESUME_UNVERIFIED,
                 step=resumed_at,
-                reason="the earlier attempts ran these steps on another world size"
+                reason="the earlier attempts ran these steps on another world size or mesh"
                 if other
                 else "no earlier attempt logged a step after the checkpoint (nothing to replay)",
             )

@@ -234,7 +234,12 @@ class Loops:
         )
         if from_checkpoint or hot:
             self._fp.check = ReplayCheck.open(
-                self.log, self.log_path, rank=self.rank, world=self.world_size, resumed_at=step
+                self.log,
+                self.log_path,
+                rank=self.rank,
+                world=self.world_size,
+                resumed_at=step,
+                mesh=self._fp.mesh,
             )
 
     def _enter_loop(self) -> int:

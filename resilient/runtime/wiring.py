@@ -154,6 +154,7 @@ def init_weights(config: RuntimeConfig, state: TrainState | None, group: Any) ->
         },
         per_rank=dict(state.per_rank) if "data" in parts else {},
         rng="rng" in parts,
+        layout=state.layout,
     )
     mgr = CheckpointManager(
         CheckpointConfig(
