@@ -73,8 +73,7 @@ class CheckpointManager:
         self._log = get_logger()
         self._loader = Loader(self.storage, self.collectives, config, self._log)
         self.last_committed: int | None = None
-        # Steps that failed verification in load_latest: a later save of the same step
-        # replaces them instead of being skipped as "already committed".
+        # failed verification in load_latest: a later save of the step replaces, not skips, them
         self._rejected: set[int] = set()
         self._kept_good: set[int] = set()  # steps retention said it keeps before a fault
         if config.async_save:
@@ -117,12 +116,13 @@ class CheckpointManager:
         for it.
         """
         self.wait()
+        self._mesh = state.layout  # Manifest.layout of this save (none other is in flight now)
         blocking = not self.config.async_save if blocking is None else blocking
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
         if blocking:
             sd = state.to_state_dict(step=step, rank=self.rank)
-            self._write_and_commit(sd, step, t0, staged_at=t0, on_loop=True, layout=state.layout)
+            self._write_and_commit(sd, step, t0, staged_at=t0, on_loop=True)
             return
         # The blobs (step, scheduler, RNG, data position) are captured here and torch.save'd
         # on the save's thread: only the tensors go through the stager.
@@ -132,9 +132,7 @@ class CheckpointManager:
         tensors = {k: v for k, v in sd.items() if k not in blobs}
         staged = self._saves.stage(tensors)
         blocked = time.perf_counter() - t0
-        self._saves.submit(
-            self._async_job, staged, blobs, list(sd), step, t0, blocked, built, state.layout
-        )
+        self._saves.submit(self._async_job, staged, blobs, list(sd), step, t0, blocked, built)
 
     def _async_job(
         self,
@@ -145,7 +143,6 @@ class CheckpointManager:
         t0: float,
         blocked: float,
         built: float,
-        layout: str,
     ) -> int | None:
         packed = pack(blobs)  # while the stager copies the tensors
         copies = staged.result()
@@ -158,9 +155,7 @@ class CheckpointManager:
             state_dict_s=round(built, 4),
             staging_s=round(staged_at - t0, 4),
         )
-        return self._write_and_commit(
-            sd, step, t0, staged_at=staged_at, on_loop=False, layout=layout
-        )
+        return self._write_and_commit(sd, step, t0, staged_at=staged_at, on_loop=False)
 
     def wait_staged(self) -> None:
         """Block until the in-flight async save no longer reads live tensors."""
@@ -190,14 +185,7 @@ class CheckpointManager:
         return self.collectives.agree(lambda: [int(f["step"]) for f in read_faults(self.storage)])
 
     def _write_and_commit(
-        self,
-        sd: dict[str, Any],
-        step: int,
-        t0: float,
-        *,
-        staged_at: float,
-        on_loop: bool,
-        layout: str = "",
+        self, sd: dict[str, Any], step: int, t0: float, *, staged_at: float, on_loop: bool
     ) -> int | None:
         rel = step_dir(step)
         # Before anything is written, and outside the handling of storage failures below: a
@@ -229,7 +217,7 @@ class CheckpointManager:
                 entries = self.collectives.gather_all(writer.file_checksums)
                 manifest = self.collectives.agree(
                     lambda: write_manifest(
-                        self.storage, step, self.world_size, entries, finite=True, layout=layout
+                        self.storage, step, self.world_size, entries, finite=True, layout=self._mesh
                     )
                 )
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped

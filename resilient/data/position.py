@@ -34,7 +34,6 @@ class DataPosition:
     def __init__(
         self,
         batches: ResumableBatches,
-        *,
         layout: MeshLayout,
         rank: int,
         global_batch_size: int | None,

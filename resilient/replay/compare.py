@@ -97,15 +97,15 @@ def _fp(e: dict[str, Any]) -> Fingerprint:
 
 
 def fingerprints(
-    events: Iterable[dict[str, Any]], *, world: int | None = None, mesh: str = ""
+    events: Iterable[dict[str, Any]], *, shape: tuple[int, str] | None = None
 ) -> dict[int, Fingerprint]:
     """Step -> fingerprint from `step.fingerprint` events (the later of two wins); with
-    `world`, only those recorded on that world size and mesh layout."""
+    `shape`, only those recorded on that (world size, mesh layout)."""
     out: dict[int, Fingerprint] = {}
     for e in events:
         if e.get("event") != ev.STEP_FINGERPRINT:
             continue
-        if world is not None and (e.get("world"), e.get("mesh", "")) != (world, mesh):
+        if shape is not None and (e.get("world"), e.get("mesh", "")) != shape:
             continue
         out[int(e["step"])] = _fp(e)
     return out

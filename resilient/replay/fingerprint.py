@@ -53,6 +53,11 @@ class StepFingerprints:
         self._weights: dict[tuple[int, torch.device, bool], torch.Tensor] = {}
         self.check: ReplayCheck | None = None
 
+    @property
+    def shape(self) -> tuple[int, str]:
+        """(world size, mesh layout): replayed steps compare only on the same shape."""
+        return self._world, self.mesh
+
     def attach(self, model: nn.Module) -> Any:
         """The forward pre-hook on the tracked model; returns its handle."""
         return model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
@@ -201,9 +206,8 @@ class ReplayCheck:
         log_path: Path | None,
         *,
         rank: int,
-        world: int,
+        shape: tuple[int, str],
         resumed_at: int,
-        mesh: str = "",
     ) -> ReplayCheck | None:
         """After a resume from `resumed_at`: the check against what earlier attempts of this
         rank logged (this process's own events excluded), or None when there is nothing to
@@ -221,7 +225,7 @@ class ReplayCheck:
         corrupted = _corrupted_steps(past)
         earlier = {
             s: f
-            for s, f in fingerprints(past, world=world, mesh=mesh).items()
+            for s, f in fingerprints(past, shape=shape).items()
             if s >= resumed_at and s not in corrupted
         }
         untrusted = sorted(s for s in corrupted if s >= resumed_at)

@@ -234,12 +234,7 @@ class Loops:
         )
         if from_checkpoint or hot:
             self._fp.check = ReplayCheck.open(
-                self.log,
-                self.log_path,
-                rank=self.rank,
-                world=self.world_size,
-                resumed_at=step,
-                mesh=self._fp.mesh,
+                self.log, self.log_path, rank=self.rank, shape=self._fp.shape, resumed_at=step
             )
 
     def _enter_loop(self) -> int:

@@ -38,7 +38,6 @@ from resilient.hang.watchdog import Watchdog
 from resilient.hot import carry, reform
 from resilient.hot.recovery import HotRecovery
 from resilient.mesh import MeshLayout
-from resilient.mesh.discover import discover
 from resilient.numeric.detect import NumericWatch
 from resilient.preempt.loader_workers import shield_workers
 from resilient.preempt.watch import PreemptionWatch
@@ -142,8 +141,7 @@ class Runtime(Loops):
             lambda: self.step, divert=self.guards.on_uncaught
         )
         self._data: DataPosition | None = None
-        self.layout = MeshLayout.flat(self.ctx.world_size)
-        """The mesh by role (resilient/mesh/), known at track()."""
+        self.layout = MeshLayout.flat(self.ctx.world_size)  # the mesh by role, set in track()
         self._fp = StepFingerprints(self.log, world=self.ctx.world_size)
         self.numeric = NumericWatch(config.numeric, self.ctx)  # numerical faults (numeric/)
         self._numeric = NumericResponse(self)
@@ -186,11 +184,10 @@ class Runtime(Loops):
 
         `loader` should be a torchdata StatefulDataLoader; iterate it through `batches()`
         so its position and epoch are checkpointed. `global_batch_size` (default: the loader's
-        batch_size x data-parallel degree at the first start) is kept on other world sizes
-        and meshes through `grad_accum` micro-batches per step. `mesh`: the world DeviceMesh
-        of a 2-D or 3-D run (default: found from the model's DTensor parameters), its
-        dimensions named by role ("dp_replicate", "dp_shard", "tp", "cp", "pp", ...) or
-        through `mesh_roles` ({name: role}); see docs/porting.md. `extras` are objects with
+        batch_size x data-parallel degree) is kept on other world sizes and meshes through
+        `grad_accum` micro-batches per step. `mesh`: the world DeviceMesh of a 2-D or 3-D run
+        (default: the DTensor parameters'), dimensions named by role or `mesh_roles`
+        (docs/porting.md#2-d-and-3-d-meshes). `extras` are objects with
         state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
         With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's gradient
         buckets, a collective on DDP's process group: every rank calls track(), before the
@@ -203,15 +200,7 @@ class Runtime(Loops):
                 "track(optimizer=...) needs model=... too (optimizer state is "
                 "saved by parameter name)"
             )
-        self.layout = discover(model, mesh, world_size=self.world_size, roles=mesh_roles)
-        if len(self.layout.dims) > 1 or self.layout.model_parallel:
-            self.log.info(
-                "mesh.layout",
-                mesh=self.layout.describe(),
-                roles={d.name: d.role for d in self.layout.dims},
-                dp=self.layout.dp_degree,
-                dp_rank=self.layout.dp_rank(self.rank),
-            )
+        self.layout = wiring.layout(model, mesh, mesh_roles, self.ctx, self.log)
         self._fp.mesh = self.layout.signature()
         common: dict[str, StatefulLike] = dict(extras)
         common["__numeric_skipped__"] = self.numeric.skipped
@@ -236,21 +225,11 @@ class Runtime(Loops):
             shield_workers(loader, parse_signals(",".join(self.config.preempt.signals)))
             per_rank["loader"] = self._batches
             # world-size-independent position + global batch, for elastic resume
-            self._data = DataPosition(
-                self._batches,
-                layout=self.layout,
-                rank=self.rank,
-                global_batch_size=global_batch_size,
-            )
+            self._data = DataPosition(self._batches, self.layout, self.rank, global_batch_size)
             common["__data__"] = self._data
         per_rank["__loss_mean__"] = self.numeric.loss_mean  # spike detection's running mean
-        self.state = TrainState(
-            model=model,
-            optimizer=optimizer,
-            common=common,
-            per_rank=per_rank,
-            layout=self.layout.signature(),
-        )
+        self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
+        self.state.layout = self.layout.signature()
         self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
         if model is not None and self.config.pin_ddp_buckets:
             wiring.pin_ddp_buckets(model, self.log)
@@ -345,9 +324,8 @@ class Runtime(Loops):
     @property
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step that keep the global batch on this data-parallel
-        degree (1 unless the run resumed on fewer data-parallel ranks than it started with, or
-        track() got a global_batch_size). Read it inside the loop: it is known once steps()
-        resumed."""
+        degree (1 unless the run resumed on fewer data-parallel ranks, or track() got a
+        global_batch_size). Read it inside the loop: it is known once steps() resumed."""
         if not self._resumed:
             self.resume()
         return self._data.grad_accum if self._data is not None else 1

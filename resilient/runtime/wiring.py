@@ -26,10 +26,12 @@ from resilient.groups.groups import DistContext, env_identity
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
 from resilient.memory.snapshot import Snapshots
+from resilient.mesh import MeshLayout
+from resilient.mesh.discover import discover
 from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
 
-__all__ = ["fences", "open_log", "pin_ddp_buckets", "snapshots", "within"]
+__all__ = ["fences", "layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
 
 
 def open_log(config: RuntimeConfig) -> tuple[str, Path | None]:
@@ -66,6 +68,24 @@ def snapshots(
         else None,
         replicate=hot.put_replica if hot is not None and not snap.replicas else None,
     )
+
+
+def layout(
+    model: nn.Module | None, mesh: Any, roles: dict[str, str] | None, ctx: DistContext, logger: Any
+) -> MeshLayout:
+    """The run's mesh by role (resilient/mesh/), said in a `mesh.layout` event when it is
+    more than one flat data-parallel dimension."""
+    rank = ctx.rank
+    found = discover(model, mesh, world_size=ctx.world_size, roles=roles)
+    if len(found.dims) > 1 or found.model_parallel:
+        logger.info(
+            "mesh.layout",
+            mesh=found.describe(),
+            roles={d.name: d.role for d in found.dims},
+            dp=found.dp_degree,
+            dp_rank=found.dp_rank(rank),
+        )
+    return found
 
 
 def fences(model: nn.Module | None, optimizer: Any, fence: Callable[[], Any]) -> list[Any]:
