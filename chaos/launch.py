@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos.mesh import mesh_args, size
 from chaos.plan import _WATCHDOG, Planned
 from chaos.procs import REPO, Run
-from chaos.scenario import Scenario
+from chaos.scenario import PREEMPTIONS, Scenario
 from chaos.storage import LoopbackS3, SmallDisk
 from resilient.envvars import ENV_NUMERIC, ENV_PREEMPT, ENV_SNAPSHOT, ENV_WATCHDOG
 
@@ -27,6 +28,7 @@ __all__ = [
     "_launch_cmd",
     "golden",
     "hot_recovery_unavailable",
+    "launch_shape",
     "numeric_env",
 ]
 
@@ -110,6 +112,20 @@ class _Env:
         return self.out / "run"
 
 
+def launch_shape(sc: Scenario, launch: int) -> tuple[int, dict[str, int]]:
+    """(ranks per host, mesh) of the scenario's `launch`-th launch: a preemption or a resize
+    ends a launch, and after a resize the next ones run on its mesh (chaos/mesh.py)."""
+    nproc, mesh, n = sc.nproc, dict(sc.mesh), 0
+    for f in sorted(sc.faults, key=lambda f: f.at_step):
+        if n == launch:
+            break
+        if f.kind in PREEMPTIONS or f.kind == "resize":
+            n += 1
+            if f.mesh is not None:
+                nproc, mesh = size(f.mesh), dict(f.mesh)
+    return nproc, mesh
+
+
 def _launch_cmd(
     sc: Scenario,
     out: Path,
@@ -120,14 +136,20 @@ def _launch_cmd(
     *,
     hot_recovery: bool = False,
     splits: list[tuple[int, int]] | None = None,
+    launch: int = 0,
 ) -> list[str]:
     """`resilient run` (the product's supervisor on torch elastic) around the recipe, through
-    `python -m chaos.inject` when in-process faults are armed for this launch."""
+    `python -m chaos.inject` when in-process faults are armed for this launch. A mesh
+    scenario's launch runs on its mesh (after a resize, the resize's), and every rank logs
+    the samples of each step (--sample-log, chaos/mesh.py)."""
+    nproc, mesh = launch_shape(sc, launch)
     recipe_args = [
         *("--steps", str(sc.steps), "--save-every", str(sc.save_every), "--log-every", "1"),
         *("--workers", str(sc.workers), "--seed", str(sc.seed)),
         *("--corpus-chars", str(sc.corpus_chars), "--batch-size", "8"),
         *("--ckpt-dir", ckpt_url, "--run-dir", str(out / "run")),
+        *mesh_args(mesh),
+        *(["--sample-log", str(out / "samples")] if mesh else []),
     ]
     if sc.hot:
         recipe_args.append("--micro-batches")
@@ -139,7 +161,7 @@ def _launch_cmd(
         "resilient.cli",
         "run",
         *(rendezvous or ["--standalone"]),
-        f"--nproc-per-node={sc.nproc}",
+        f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
         f"--run-dir={out / 'run'}",

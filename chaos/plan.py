@@ -83,7 +83,7 @@ def plan(sc: Scenario) -> list[Planned]:
         expect = expected_recovery(f, sc.hot, sc.recipe, policy=policy)
         p = Planned(f, launch, restart, attempt, expect, gen)
         out.append(p)
-        if f.kind in PREEMPTIONS:
+        if f.kind in PREEMPTIONS or f.kind == "resize":  # the runner launches again
             launch, restart, attempt, gen = launch + 1, 0, attempt + 1, 0
         elif p.restarts:
             restart, attempt, gen = restart + 1, attempt + 1, 0
