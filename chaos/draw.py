@@ -232,6 +232,7 @@ def _draw_mesh(
         steps=_MESH_STEPS,
         save_every=save_every,
         corpus_chars=40_000,
+        timeout_s=480.0,  # 4 ranks on the 2-core machine: the toy's steps take 4x as long
         hot=hot,
         faults=faults,
     )
