@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.mesh import mesh_args, size
-from chaos.plan import _WATCHDOG, Planned
+from chaos.plan import _WATCHDOG, Planned, watchdog_for
 from chaos.procs import REPO, Run
 from chaos.scenario import PREEMPTIONS, Scenario
 from chaos.storage import LoopbackS3, SmallDisk
@@ -30,6 +30,7 @@ __all__ = [
     "hot_recovery_unavailable",
     "launch_shape",
     "numeric_env",
+    "run_env",
 ]
 
 
@@ -199,6 +200,12 @@ def golden(sc: Scenario, cache: Path) -> dict[str, Any]:
         return _golden(clean, out, sc.splits())
 
 
+def run_env(sc: Scenario) -> dict[str, str]:
+    """The harness's environment for a run of `sc`: _CHAOS_ENV, the watchdog scaled for a
+    mesh (chaos/plan.py), RESILIENT_NUMERIC."""
+    return {**_CHAOS_ENV, ENV_WATCHDOG: json.dumps(watchdog_for(sc)), **numeric_env(sc)}
+
+
 def numeric_env(sc: Scenario) -> dict[str, str]:
     """RESILIENT_NUMERIC for a run of `sc` (none when the scenario sets nothing)."""
     return {ENV_NUMERIC: json.dumps(sc.numeric)} if sc.numeric else {}
@@ -212,7 +219,7 @@ def _golden(sc: Scenario, out: Path, splits: list[tuple[int, int]]) -> dict[str,
         return dict(json.loads(done.read_text()))
     shutil.rmtree(out, ignore_errors=True)
     cmd = _launch_cmd(sc, out, str(out / "ckpt"), 0, [], splits=splits)
-    env = {**_CHAOS_ENV, **numeric_env(sc)}
+    env = run_env(sc)
     with Run(cmd, log_path=out / "stdout.log", env=env) as run:
         rc = run.wait(sc.timeout_s)
         if rc != 0:

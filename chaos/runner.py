@@ -25,13 +25,12 @@ from typing import Any
 from chaos.check import _check
 from chaos.external import Injected, _inject
 from chaos.launch import (
-    _CHAOS_ENV,
     _HOT_ENV,
     _Env,
     _launch_cmd,
     golden,
     hot_recovery_unavailable,
-    numeric_env,
+    run_env,
 )
 from chaos.mesh import worlds
 from chaos.netns import Hosts, netns_unavailable
@@ -96,10 +95,9 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         env = _Env(sc, out, str(out / "ckpt"))
-        proc_env = dict(_CHAOS_ENV)
+        proc_env = run_env(sc)  # the watchdog (scaled for a mesh), RESILIENT_NUMERIC
         if sc.hot:
             proc_env.update(_HOT_ENV)
-        proc_env.update(numeric_env(sc))  # RESILIENT_NUMERIC: policy, spike detection
         if sc.storage == "s3":
             env.s3 = stack.enter_context(LoopbackS3())
             env.ckpt_url = env.s3.url()

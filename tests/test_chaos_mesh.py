@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from chaos.draw import generate
-from chaos.launch import _launch_cmd, launch_shape
+from chaos.launch import _launch_cmd, launch_shape, run_env
 from chaos.mesh import _order, check_samples
 from chaos.plan import plan
 from chaos.scenario import Fault, Scenario, expected_recovery
 from recipes.common.data import build_dataset
+from resilient.envvars import ENV_WATCHDOG
 
 TP = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
 HSDP = {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
@@ -94,6 +95,9 @@ def test_a_resize_is_a_cold_relaunch_on_its_mesh(tmp_path: Path) -> None:
     assert cmd[cmd.index("--sample-log") + 1] == str(tmp_path / "samples")
     first = _launch_cmd(sc, tmp_path, "ckpt", 4, [], launch=0)
     assert "--nproc-per-node=4" in first and "--dp-shard=2" in first
+    # four ranks on two cores: the watchdog is scaled up for mesh runs, and (d) with it
+    assert json.loads(run_env(sc)[ENV_WATCHDOG])["timeout_s"] == 30.0
+    assert json.loads(run_env(Scenario(name="d"))[ENV_WATCHDOG])["timeout_s"] == 10.0
 
 
 def _write(dir_: Path, rows: list[dict]) -> None:
