@@ -9,14 +9,17 @@ batches per data-parallel coordinate. Interleaved in rounds, the order rotated e
 - bare: the plain loop: forward, backward, optimizer step;
 - again: the same plain loop once more, an A/A control (the noise floor);
 - resilient: the recipe's loop: inside rt.steps() (step accounting, the preemption
-  agreement, the barrier every N, the step fingerprint) with rt.observe(loss=...).
+  agreement, the barrier every N, the step fingerprint, the numeric check before the
+  optimizer step, agreed over the mesh) with rt.observe(loss=...).
 
 Ratios are medians over rounds of (the variant's median step in the round / bare's in the
 same round), on rank 0, in wall time and in process CPU time (a rank waiting in a collective
 or descheduled burns none). The watchdog's heartbeat thread runs during every variant (it is
 per process), so its CPU share over the wall time is added to the resilient figures, as
 bench_overhead.py does for DDP. The tracked model's phase hooks fire in `bare` too; they are
-timed apart and added the same way.
+timed apart and added the same way. On a loaded 2-core machine 4 ranks make the side-by-side
+figures noisy (the A/A line says how much), so the direct accounting is reported too: each
+added piece timed on its own with the ranks in step, over the bare step.
 """
 
 from __future__ import annotations
@@ -86,6 +89,13 @@ def mesh_worker(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    boundary: list[float] = []
+
+    def timed_next() -> None:
+        t0 = time.perf_counter()
+        next(steps)
+        boundary.append(time.perf_counter() - t0)
+
     names = ["bare", "again", "resilient"]
     total = args.rounds * args.block + args.warmup
     steps = iter(rt.steps(total=total))
@@ -95,7 +105,7 @@ def mesh_worker(args: argparse.Namespace) -> None:
         for _ in range(n):
             c0, t0 = time.process_time(), time.perf_counter()
             if name == "resilient":
-                next(steps)  # the previous step's end and this one's start: timed
+                timed_next()  # the previous step's end and this one's start: timed
                 observed(counter[0])
             else:
                 bare(counter[0])
@@ -105,6 +115,7 @@ def mesh_worker(args: argparse.Namespace) -> None:
 
     for name in names:
         run_block(name, args.warmup, [], [])
+    boundary.clear()
     dist.barrier()
     paired: dict[str, list[float]] = {"again": [], "resilient": []}
     cpu_paired: dict[str, list[float]] = {"again": [], "resilient": []}
@@ -140,6 +151,45 @@ def mesh_worker(args: argparse.Namespace) -> None:
         progress.tick()
     hook_ms = (time.perf_counter() - t0) / n * events_per_step * 1000
     extra = thread_cpu / wall + hook_ms / med["bare"]
+
+    # direct accounting, each added piece timed on its own with the four ranks in step: the
+    # step boundary as the loop saw it (bookkeeping, the preemption agreement, the barrier
+    # every N, the numeric check's end of step), the pre-step numeric check over the mesh
+    # (its gradient screen and agreement), the step fingerprint and rt.observe
+    def per_call(fn: Any, n: int = 100) -> float:
+        dist.barrier()
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    x0, y0 = batches[0]
+    _, loss0 = model(x0, y0)
+    loss0.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    numeric, fp, big = rt.numeric, rt._fp, [10**9]
+
+    def numeric_check() -> None:
+        big[0] += 1
+        numeric.begin(big[0])
+        numeric.observe_loss(loss0)
+        numeric._check(grads=grads, phase="optimizer")
+        numeric.end_step()
+
+    def fingerprint() -> None:
+        big[0] += 1
+        fp.begin(big[0])
+        fp.inputs(x0, y0)
+        fp.observe_loss(loss0)
+        fp.end(big[0])
+
+    numeric_ms = per_call(numeric_check) * 1000
+    fingerprint_ms = per_call(fingerprint) * 1000
+    opt.zero_grad(set_to_none=True)
+    boundary_ms = statistics.fmean(boundary) * 1000
+    direct = (boundary_ms + numeric_ms + fingerprint_ms) / med["bare"] + extra
     result = {
         "bench": "overhead_mesh",
         "mesh": "dp_shard=2 x tp=2",
@@ -155,6 +205,10 @@ def mesh_worker(args: argparse.Namespace) -> None:
         "overhead_iqr": [round(q - 1, 5) for q in _quartiles(paired["resilient"])],
         "cpu_overhead": round(statistics.median(cpu_paired["resilient"]) - 1 + extra, 5),
         "cpu_noise_again": round(statistics.median(cpu_paired["again"]) - 1, 5),
+        "direct_overhead": round(direct, 6),
+        "boundary_seen_ms": round(boundary_ms, 4),
+        "numeric_check_ms": round(numeric_ms, 4),
+        "fingerprint_ms": round(fingerprint_ms, 4),
         "watchdog_thread_cpu_fraction": round(thread_cpu / wall, 6),
         "phase_bookkeeping_fraction": round(hook_ms / med["bare"], 6),
     }
@@ -186,4 +240,9 @@ def report_mesh(r: dict[str, Any]) -> None:
     )
     print(f"A/A noise floor (again vs bare): {r['noise_again']:+.3%}, IQR {lo:+.2%}..{hi:+.2%}")
     print(f"CPU time per step: resilient {r['cpu_overhead']:+.3%}, A/A {r['cpu_noise_again']:+.3%}")
+    print(
+        f"direct (added work / bare step): step boundary as seen {r['boundary_seen_ms']:.3f} "
+        f"ms, numeric check over the mesh {r['numeric_check_ms']:.3f} ms, fingerprint "
+        f"{r['fingerprint_ms']:.4f} ms, + thread + hooks -> {r['direct_overhead']:+.3%}"
+    )
     print(json.dumps(r))
