@@ -207,6 +207,7 @@ def mesh_worker(args: argparse.Namespace) -> None:
         "cpu_noise_again": round(statistics.median(cpu_paired["again"]) - 1, 5),
         "direct_overhead": round(direct, 6),
         "boundary_seen_ms": round(boundary_ms, 4),
+        "boundary_seen_median_ms": round(statistics.median(boundary) * 1000, 4),
         "numeric_check_ms": round(numeric_ms, 4),
         "fingerprint_ms": round(fingerprint_ms, 4),
         "watchdog_thread_cpu_fraction": round(thread_cpu / wall, 6),
