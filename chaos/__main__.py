@@ -11,6 +11,7 @@ python -m chaos repeat --kind sigstop --recipe train_fsdp.py --runs 30 --seed 31
 python -m chaos run chaos/scenarios/nan_hot.toml   a numerical fault (issue 27)
 python -m chaos repeat --kind bad_batch --numeric '{"policy": "skip"}' --runs 5
 python -m chaos repeat --kind bitflip --nproc 3 --runs 5    silent data corruption (DDP)
+python -m chaos run chaos/scenarios/mesh_resize_dp.toml  a 4-rank mesh resized to 2 (issue 36)
 
 A failing scenario keeps its directory (scenario.toml, stdout.log, run/logs, result.json)
 and prints the one command that runs it again.
@@ -64,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the share of runs with a numerical fault instead (nan, spike, bad_batch, "
         "bitflip; from a generator of its own: the other runs keep their schedules; 0: none)",
     )
+    s.add_argument(
+        "--mesh-fraction",
+        type=float,
+        default=0.1,
+        help="the share of runs on a 4-rank mesh instead (recipes/train_nd.py: dp x tp or "
+        "replicate x shard; kill, sigstop, nan, resize; from a generator of its own; 0: none)",
+    )
     rep = sub.add_parser("repeat", help="one fault kind, seeded, with hot/cold counts")
     rep.add_argument("--kind", required=True, choices=sorted(FAULT_KINDS))
     rep.add_argument("--recipe", default="train_ddp.py", choices=["train_ddp.py", "train_fsdp.py"])
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             hot_fraction=args.hot_fraction,
             hot_lost=hot_lost,
             numeric_fraction=args.numeric_fraction,
+            mesh_fraction=args.mesh_fraction,
         )[args.first :]
     started = time.monotonic()
     jobs = max(1, getattr(args, "jobs", 1))

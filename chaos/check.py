@@ -20,6 +20,8 @@ h. (numerical faults) each was seen at its step and answered as its scenario exp
    rank named by a majority (3+ ranks) or none (2: the replay decides), every save since the
    last clean check named suspect and never loaded, a restart from a checkpoint from before
    the flip, and no save of a step after the flip in its attempt (chaos/check_sdc.py)
+i. (mesh scenarios) every step trained, on the attempt that ran it last, on exactly the
+   samples of the sampler's order, tp peers on the same ones, across resizes (chaos/mesh.py)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from chaos.check_numeric import _check_numeric
 from chaos.external import Injected
+from chaos.mesh import check_samples, worlds
 from chaos.observe import _attempt_inits as _inits
 from chaos.observe import _attempt_steps, _epoch
 from chaos.plan import Planned, time_bound_s
@@ -71,6 +74,17 @@ def _check(
         )
         if not ok:
             failures.append(f"a: the shrunk run did not finish at step {sc.steps}: {final}")
+    resized = any(f.kind == "resize" for f in sc.faults)
+    if resized:  # another mesh: sums in another order (chaos/mesh.py); the run must finish
+        ok = final.get("step") == sc.steps and final.get("world_size") == worlds(sc)[-1]
+        checks["a_bitwise_equal"] = (
+            f"n/a (resized, world {' -> '.join(map(str, worlds(sc)))}); finished: "
+            + ("pass" if ok else f"fail ({final})")
+        )
+        if not ok:
+            failures.append(f"a: the resized run did not finish at step {sc.steps}: {final}")
+    if sc.mesh:  # i. every step trained on the samples the sampler's order gives it
+        checks["i_samples"] = check_samples(sc, out / "samples", failures)
     # b. per fault: the restart resumed from the newest checkpoint that was valid at the fault
     #    (b1), and checkpointing had kept up: at most one interval plus one save in flight
     #    behind (b2); a preemption whose save fits the grace loses nothing (b3). Storage
@@ -239,7 +253,7 @@ def _check(
     checks["e_no_leftover"] = "fail" if leftover else "pass"
     if leftover:
         failures.append("e: processes of the run were still alive after it ended")
-    if checks["a_bitwise_equal"] not in ("pass",) and sc.hosts == 1 and stop is None:
+    if checks["a_bitwise_equal"] != "pass" and sc.hosts == 1 and stop is None and not resized:
         failures.append(f"a: final digest {digest} != golden {gold['digest']}")
     return checks
 

@@ -41,6 +41,7 @@ def generate(
     hot_fraction: float = 0.0,
     hot_lost: bool = False,
     numeric_fraction: float = 0.0,
+    mesh_fraction: float = 0.0,
 ) -> list[Scenario]:
     """`count` random scenarios from `seed`: fault kinds, ranks and steps drawn reproducibly.
 
@@ -50,11 +51,13 @@ def generate(
     them, from a third generator, have one numerical fault instead (NUMERIC; hot mode for a
     `hot_fraction` of those): every other index keeps the schedule it had without them. A
     `_BITFLIP_SHARE` of those, from a fourth, are a bitflip (added later: the other numerical
-    draws keep theirs)."""
+    draws keep theirs). A `mesh_fraction`, from a fifth, run recipes/train_nd.py on a drawn
+    4-rank mesh instead (`_draw_mesh`)."""
     rng = random.Random(seed)
     hot_rng = random.Random(f"hot-{seed}")
     numeric_rng = random.Random(f"numeric-{seed}")
     sdc_rng = random.Random(f"sdc-{seed}")
+    mesh_rng = random.Random(f"mesh-{seed}")
     out = []
     for i in range(count):
         sc = _draw_cold(rng, seed, i, steps, save_every, max_faults)
@@ -64,6 +67,8 @@ def generate(
             sc = _draw_numeric(numeric_rng, sc.name, steps, save_every, hot_fraction)
             if sdc_rng.random() < _BITFLIP_SHARE:
                 sc = _draw_bitflip(sdc_rng, sc.name, steps, save_every, hot_fraction)
+        if mesh_rng.random() < mesh_fraction:
+            sc = _draw_mesh(mesh_rng, sc.name, save_every, hot_fraction, hot_lost)
         out.append(sc)
     return out
 
@@ -192,6 +197,47 @@ def repeated(
     return out
 
 
+_MESHES = {
+    "dp x tp": ({"dp_replicate": 1, "dp_shard": 2, "tp": 2}, [(1, 1, 2), (1, 2, 1)]),
+    "replicate x shard": ({"dp_replicate": 2, "dp_shard": 2, "tp": 1}, [(1, 2, 1), (2, 1, 1)]),
+}
+"""The soak's 4-rank meshes, each with the 2-rank meshes a resize may go to: the
+data-parallel degree halved, or (dp x tp) the tensor-parallel degree."""
+_MESH_STEPS = 16
+_MESH_KINDS = ("kill", "sigstop", "nan")
+
+
+def _draw_mesh(
+    rng: random.Random, name: str, save_every: int, hot_fraction: float, hot_lost: bool
+) -> Scenario:
+    """recipes/train_nd.py on a drawn 4-rank mesh (chaos/mesh.py), 16 steps: one or two of a
+    kill, a SIGSTOP and a NaN on any rank, hot for `hot_fraction` of the draws (only with
+    `hot_lost`: the kill and the stop need --hot-recovery); a cold draw's last fault is a
+    resize to a drawn 2-rank mesh for a third of them. HSDP's hot draws need its hot
+    recovery (issue 36 item 3): until then they go cold after a stall and fail (g)."""
+    start, targets = _MESHES[rng.choice(sorted(_MESHES))]
+    hot = hot_lost and rng.random() < hot_fraction
+    n = rng.randint(1, 2)
+    at = sorted(rng.sample(range(save_every + 1, _MESH_STEPS - save_every), n))
+    faults = [Fault(kind=rng.choice(_MESH_KINDS), rank=rng.randrange(4), at_step=s) for s in at]
+    if not hot and rng.random() < 1 / 3:
+        rep, shard, tp = rng.choice(targets)
+        mesh = {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
+        faults[-1] = Fault(kind="resize", rank=0, at_step=at[-1], mesh=mesh)
+    return Scenario(
+        name=name,
+        recipe="train_nd.py",
+        nproc=4,
+        mesh=dict(start),
+        steps=_MESH_STEPS,
+        save_every=save_every,
+        corpus_chars=40_000,
+        timeout_s=480.0,  # 4 ranks on the 2-core machine: the toy's steps take 4x as long
+        hot=hot,
+        faults=faults,
+    )
+
+
 def _draw_hot(
     rng: random.Random, name: str, steps: int, save_every: int, max_faults: int, lost: bool
 ) -> Scenario:
@@ -255,6 +301,7 @@ def _draw_cold(
         and k not in TWO_HOSTS
         and k not in HOT_ONLY
         and k not in NUMERIC  # drawn by a generator of their own (generate)
+        and k != "resize"  # mesh runs only (_draw_mesh)
     )
     if storage == "s3":
         kinds.remove("disk_full")

@@ -24,7 +24,7 @@ from chaos.launch import _Env
 from chaos.observe import _chaos_records, _epoch, _printed_steps, _since_attempt
 from chaos.observe import _inits as _all_inits
 from chaos.plan import Planned, plan
-from chaos.procs import Run, latest_event, wait_for
+from chaos.procs import Run, kill_tree, latest_event, wait_for
 from chaos.scenario import IN_PROCESS
 
 __all__ = ["Injected", "_inject", "_record"]
@@ -192,6 +192,8 @@ def _inject(p: Planned, env: _Env, run: Run) -> Injected:
         info["bit"] = int(failed["step"])
     elif fault.kind == "sigterm":
         os.kill(run.proc.pid, signal.SIGTERM)
+    elif fault.kind == "resize":  # the job loses its allocation: launcher and workers at once
+        kill_tree(run.proc.pid, groups=(run.proc.pid,))
     elif fault.kind == "kill_with_buddy":  # both copies of a snapshot go at once
         buddy = (fault.rank + 1) % (sc.nproc * sc.hosts)
         buddy_init = wait_for(

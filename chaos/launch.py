@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.plan import _WATCHDOG, Planned
+from chaos.mesh import mesh_args, size
+from chaos.plan import _WATCHDOG, Planned, watchdog_for
 from chaos.procs import REPO, Run
-from chaos.scenario import Scenario
+from chaos.scenario import PREEMPTIONS, Scenario
 from chaos.storage import LoopbackS3, SmallDisk
 from resilient.envvars import ENV_NUMERIC, ENV_PREEMPT, ENV_SNAPSHOT, ENV_WATCHDOG
 
@@ -27,7 +28,9 @@ __all__ = [
     "_launch_cmd",
     "golden",
     "hot_recovery_unavailable",
+    "launch_shape",
     "numeric_env",
+    "run_env",
 ]
 
 
@@ -110,6 +113,20 @@ class _Env:
         return self.out / "run"
 
 
+def launch_shape(sc: Scenario, launch: int) -> tuple[int, dict[str, int]]:
+    """(ranks per host, mesh) of the scenario's `launch`-th launch: a preemption or a resize
+    ends a launch, and after a resize the next ones run on its mesh (chaos/mesh.py)."""
+    nproc, mesh, n = sc.nproc, dict(sc.mesh), 0
+    for f in sorted(sc.faults, key=lambda f: f.at_step):
+        if n == launch:
+            break
+        if f.kind in PREEMPTIONS or f.kind == "resize":
+            n += 1
+            if f.mesh is not None:
+                nproc, mesh = size(f.mesh), dict(f.mesh)
+    return nproc, mesh
+
+
 def _launch_cmd(
     sc: Scenario,
     out: Path,
@@ -120,14 +137,20 @@ def _launch_cmd(
     *,
     hot_recovery: bool = False,
     splits: list[tuple[int, int]] | None = None,
+    launch: int = 0,
 ) -> list[str]:
     """`resilient run` (the product's supervisor on torch elastic) around the recipe, through
-    `python -m chaos.inject` when in-process faults are armed for this launch."""
+    `python -m chaos.inject` when in-process faults are armed for this launch. A mesh
+    scenario's launch runs on its mesh (after a resize, the resize's), and every rank logs
+    the samples of each step (--sample-log, chaos/mesh.py)."""
+    nproc, mesh = launch_shape(sc, launch)
     recipe_args = [
         *("--steps", str(sc.steps), "--save-every", str(sc.save_every), "--log-every", "1"),
         *("--workers", str(sc.workers), "--seed", str(sc.seed)),
         *("--corpus-chars", str(sc.corpus_chars), "--batch-size", "8"),
         *("--ckpt-dir", ckpt_url, "--run-dir", str(out / "run")),
+        *mesh_args(mesh),
+        *(["--sample-log", str(out / "samples")] if mesh else []),
     ]
     if sc.hot:
         recipe_args.append("--micro-batches")
@@ -139,7 +162,7 @@ def _launch_cmd(
         "resilient.cli",
         "run",
         *(rendezvous or ["--standalone"]),
-        f"--nproc-per-node={sc.nproc}",
+        f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
         f"--run-dir={out / 'run'}",
@@ -177,6 +200,12 @@ def golden(sc: Scenario, cache: Path) -> dict[str, Any]:
         return _golden(clean, out, sc.splits())
 
 
+def run_env(sc: Scenario) -> dict[str, str]:
+    """The harness's environment for a run of `sc`: _CHAOS_ENV, the watchdog scaled for a
+    mesh (chaos/plan.py), RESILIENT_NUMERIC."""
+    return {**_CHAOS_ENV, ENV_WATCHDOG: json.dumps(watchdog_for(sc)), **numeric_env(sc)}
+
+
 def numeric_env(sc: Scenario) -> dict[str, str]:
     """RESILIENT_NUMERIC for a run of `sc` (none when the scenario sets nothing)."""
     return {ENV_NUMERIC: json.dumps(sc.numeric)} if sc.numeric else {}
@@ -190,7 +219,7 @@ def _golden(sc: Scenario, out: Path, splits: list[tuple[int, int]]) -> dict[str,
         return dict(json.loads(done.read_text()))
     shutil.rmtree(out, ignore_errors=True)
     cmd = _launch_cmd(sc, out, str(out / "ckpt"), 0, [], splits=splits)
-    env = {**_CHAOS_ENV, **numeric_env(sc)}
+    env = run_env(sc)
     with Run(cmd, log_path=out / "stdout.log", env=env) as run:
         rc = run.wait(sc.timeout_s)
         if rc != 0:

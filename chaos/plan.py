@@ -18,7 +18,7 @@ from chaos.scenario import (
     replaces_process,
 )
 
-__all__ = ["_WATCHDOG", "Planned", "plan", "time_bound_s"]
+__all__ = ["_WATCHDOG", "Planned", "plan", "time_bound_s", "watchdog_for"]
 
 
 _WATCHDOG = {
@@ -30,6 +30,18 @@ _WATCHDOG = {
 }
 
 
+_MESH_WATCHDOG = {**_WATCHDOG, "heartbeat_timeout_s": 10.0, "timeout_s": 30.0}
+"""For 4-rank mesh scenarios (recipes/train_nd.py): four ranks share two cores and a tensor-
+parallel step runs DTensor's dispatch, so a step takes 0.5-2.5 s and the first one up to
+11 s of work (measured at a load of 18-40 from other jobs); 10 s for a phase named healthy
+ranks stalled at step 0 (mesh-tp-hot, 2026-11-27). Scaled up as the base is scaled down."""
+
+
+def watchdog_for(sc: Scenario) -> dict[str, float]:
+    """The watchdog settings a scenario's runs get (RESILIENT_WATCHDOG)."""
+    return dict(_MESH_WATCHDOG if sc.mesh else _WATCHDOG)
+
+
 _RESTART_ALLOWANCE_S = 60.0
 """Bound (d): a new attempt's start-up (interpreters, torch import, process groups, load)
 and replay on a loaded 2-core machine, where start-up alone was seen to take 14 s."""
@@ -37,15 +49,16 @@ and replay on a loaded 2-core machine, where start-up alone was seen to take 14 
 
 def _detect_bound_s(kind: str, sc: Scenario) -> float:
     """How long a fault of `kind` may take to end its attempt, from the timeouts in force."""
-    beat = _WATCHDOG["heartbeat_interval_s"]
+    wd = watchdog_for(sc)
+    beat = wd["heartbeat_interval_s"]
     if kind == "hang":  # a live rank past its phase timeout, then the exit grace
-        return _WATCHDOG["timeout_s"] + 3 * beat + 1.0
+        return wd["timeout_s"] + 3 * beat + 1.0
     if kind in PREEMPTIONS:
         return sc.grace_s
     if kind in ("storage_errors", "storage_latency"):  # retried within the save's budget
         return 30.0
     # dead or stopped: a missing heartbeat (a peer's socket error is usually faster)
-    return _WATCHDOG["heartbeat_timeout_s"] + 3 * beat + 1.0
+    return wd["heartbeat_timeout_s"] + 3 * beat + 1.0
 
 
 def time_bound_s(sc: Scenario, golden_wall_s: float) -> float:
@@ -83,7 +96,7 @@ def plan(sc: Scenario) -> list[Planned]:
         expect = expected_recovery(f, sc.hot, sc.recipe, policy=policy)
         p = Planned(f, launch, restart, attempt, expect, gen)
         out.append(p)
-        if f.kind in PREEMPTIONS:
+        if f.kind in PREEMPTIONS or f.kind == "resize":  # the runner launches again
             launch, restart, attempt, gen = launch + 1, 0, attempt + 1, 0
         elif p.restarts:
             restart, attempt, gen = restart + 1, attempt + 1, 0

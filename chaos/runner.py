@@ -25,14 +25,14 @@ from typing import Any
 from chaos.check import _check
 from chaos.external import Injected, _inject
 from chaos.launch import (
-    _CHAOS_ENV,
     _HOT_ENV,
     _Env,
     _launch_cmd,
     golden,
     hot_recovery_unavailable,
-    numeric_env,
+    run_env,
 )
+from chaos.mesh import worlds
 from chaos.netns import Hosts, netns_unavailable
 from chaos.observe import _inits
 from chaos.plan import plan
@@ -95,10 +95,9 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         env = _Env(sc, out, str(out / "ckpt"))
-        proc_env = dict(_CHAOS_ENV)
+        proc_env = run_env(sc)  # the watchdog (scaled for a mesh), RESILIENT_NUMERIC
         if sc.hot:
             proc_env.update(_HOT_ENV)
-        proc_env.update(numeric_env(sc))  # RESILIENT_NUMERIC: policy, spike detection
         if sc.storage == "s3":
             env.s3 = stack.enter_context(LoopbackS3())
             env.ckpt_url = env.s3.url()
@@ -111,13 +110,19 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
             rcs.append(rc)
             if rc not in (0, None):
                 failures.append(f"host A's launch exited with {rc}, expected 0")
-        preemptions = sum(1 for p in planned if p.fault.kind in PREEMPTIONS)
-        launches = 0 if sc.hosts == 2 else 1 + preemptions
+        relaunch = [p for p in planned if p.fault.kind in PREEMPTIONS or p.fault.kind == "resize"]
+        launches = 0 if sc.hosts == 2 else 1 + len(relaunch)
         for launch in range(launches):
             here = [p for p in planned if p.launch == launch]
             in_process = [p for p in here if p.fault.kind in IN_PROCESS]
             cmd = _launch_cmd(
-                sc, out, env.ckpt_url, sc.max_restarts, in_process, hot_recovery=hot_recovery
+                sc,
+                out,
+                env.ckpt_url,
+                sc.max_restarts,
+                in_process,
+                hot_recovery=hot_recovery,
+                launch=launch,
             )
             log = out / "stdout.log"
             with Run(cmd, log_path=log, env=proc_env, append=True) as run:
@@ -132,13 +137,16 @@ def run_scenario(sc: Scenario, out_root: Path, *, keep: bool = False) -> Result:
                 time.sleep(0.5)  # let dataloader workers of a finished run exit
                 # workers run in sessions of their own: look for the launcher's tree and every
                 # worker pid the run logged, not just the launcher's process group
-                pids = {int(e["pid"]) for r in range(sc.nproc) for e in _inits(env.run_dir, r)}
+                ranks = range(max(worlds(sc)))
+                pids = {int(e["pid"]) for r in ranks for e in _inits(env.run_dir, r)}
                 leftover += [p for p in (*descendants(run.proc.pid), *pids) if alive(p)]
                 if group_alive(run.proc.pid):
                     leftover.append(run.proc.pid)
             rcs.append(rc)
             # the last launch ends the run: 0, or NUMERICAL_FAULT (87) after a bad batch's stop
             expected = sc.expected_exit if launch == launches - 1 else int(ExitCode.PREEMPTED)
+            if launch < len(relaunch) and relaunch[launch].fault.kind == "resize":
+                expected = -9  # the harness SIGKILLed the launcher (chaos/external.py)
             if rc is None:
                 break
             if rc != expected:

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chaos.mesh import check_mesh, describe, worlds
+from chaos.mesh import toml_value as _toml_value
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -78,6 +81,8 @@ FAULT_KINDS = {
     "silent data corruption of one replica, seen by the replica check (numeric.sdc) at its "
     "first check after it and restarted from the newest checkpoint that a later clean check "
     "proved (one saved after the last clean check before it is suspect, never loaded)",
+    "resize": "SIGKILL the whole launch at `at_step` and launch again on the fault's `mesh` "
+    "(train_nd.py): a restart on another mesh, resharded, at the exact sample (chaos/mesh.py)",
 }
 POISON = {"nan", "spike", "bad_batch"}
 """The model's output poisoned in one forward; the runtime's numeric checks see them before
@@ -150,10 +155,10 @@ def expected_recovery(
         if f.kind == "bad_batch":
             return f"{first} then {'skip' if policy == 'skip' else 'stop'}"
         return first
-    if not hot or f.kind in ("raise_twice", "kill_with_buddy"):
+    if not hot or f.kind in ("raise_twice", "kill_with_buddy", "resize"):
         return "cold"
-    if f.kind in ("raise", "oom"):
-        if f.phase not in _IN_STEP or recipe == "train_fsdp.py":
+    if f.kind in ("raise", "oom"):  # only the DDP recipe steps through rt.micro_batches
+        if f.phase not in _IN_STEP or recipe != "train_ddp.py":
             return "hot"  # no in-place agreement there: the rank is replaced warm
         return "retry" if f.kind == "oom" else "hot"
     return "hot" if f.kind in LOST_PROCESS else "cold"
@@ -165,7 +170,7 @@ def replaces_process(f: Fault, hot: bool, recipe: str = "train_ddp.py") -> bool:
     fault never is: every rank rolls back in place, at the end of its step."""
     if f.kind in NUMERIC or expected_recovery(f, hot, recipe) != "hot":
         return False
-    return f.kind in LOST_PROCESS or f.phase not in _IN_STEP or recipe == "train_fsdp.py"
+    return f.kind in LOST_PROCESS or f.phase not in _IN_STEP or recipe != "train_ddp.py"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -186,6 +191,8 @@ class Fault:
     factor: float | None = None
     """For spike and bad_batch: the scale of the model's output in the poisoned forward
     (spike: 1000 when not given; bad_batch without it: NaN)."""
+    mesh: dict[str, int] | None = None
+    """For resize: the mesh of the launch after it (chaos/mesh.py's DIMS)."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -256,12 +263,14 @@ class Scenario:
     """RESILIENT_NUMERIC for the run (resilient.numeric.config.NumericConfig's fields), e.g.
     `numeric = {policy = "skip"}`, or `{spike_factor = 5.0, spike_window = 3}` for a spike
     to be seen. The fault-free run gets only the steps the faulty one skips (`skip_steps`)."""
+    mesh: dict[str, int] = field(default_factory=dict)
+    """train_nd.py's mesh, e.g. `mesh = {dp_replicate = 1, dp_shard = 2, tp = 2}`; nproc must
+    be its size (chaos/mesh.py). A resize fault relaunches on another."""
     faults: list[Fault] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         kinds = {f.kind for f in self.faults}
-        if self.hot and self.recipe not in ("train_ddp.py", "train_fsdp.py"):
-            raise ValueError(f"{self.name}: hot mode runs train_ddp.py or train_fsdp.py")
+        check_mesh(self)
         if "kill_during_replication" in kinds and self.recipe != "train_fsdp.py":
             raise ValueError(f"{self.name}: only sharded state (train_fsdp.py) is replicated")
         if self.hot and kinds - HOT_KINDS - NUMERIC:
@@ -273,10 +282,8 @@ class Scenario:
         for f in self.faults:
             if f.at_step >= self.steps:
                 raise ValueError(f"{self.name}: fault at step {f.at_step} >= steps {self.steps}")
-            if not 0 <= f.rank < self.nproc * self.hosts:
-                raise ValueError(
-                    f"{self.name}: fault rank {f.rank} not in [0, {self.nproc * self.hosts})"
-                )
+            if not 0 <= f.rank < (world := max(worlds(self))):
+                raise ValueError(f"{self.name}: fault rank {f.rank} not in [0, {world})")
         if len(self.faults) >= self.max_restarts:
             raise ValueError(f"{self.name}: {len(self.faults)} faults need max_restarts > that")
         if self.storage not in ("local", "s3"):
@@ -388,7 +395,9 @@ class Scenario:
             f"{self.recipe}-n{self.nproc * self.hosts}-s{self.steps}-e{self.save_every}"
             f"-w{self.workers}-seed{self.seed}-c{self.corpus_chars}"
         ).replace(".py", "")
-        if self.hot:  # micro-batches, and the split each OOM retry leaves behind
+        if self.mesh:  # chaos/mesh.py: dp_replicate x dp_shard x tp
+            key += f"-m{describe(self.mesh)}"
+        if self.hot and not self.mesh:  # micro-batches (DDP), the split each OOM retry leaves
             key += "-micro" + "".join(f"-{s}x{k}" for s, k in self.splits())
         if self.skip_steps():  # the skip-golden: the same steps' updates skipped
             key += "-skip" + "-".join(str(s) for s in self.skip_steps())
@@ -403,7 +412,7 @@ class Scenario:
         step (snapshots every step in hot mode: chaos/launch.py)."""
         out, split = [], 1
         for f in sorted(self.faults, key=lambda f: f.at_step):
-            if self.hot and self.recipe != "train_fsdp.py" and f.kind == "oom":
+            if self.hot and self.recipe == "train_ddp.py" and f.kind == "oom":
                 split *= 2
                 out.append((f.at_step, split))
         return out
@@ -436,15 +445,3 @@ class Scenario:
                 if getattr(fault, k.name) is not None  # TOML has no null: the default
             ]
         return "\n".join(lines) + "\n"
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, dict):  # an inline table
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)

@@ -2,6 +2,10 @@
 
     .venv/bin/python scripts/bench_overhead.py            # full run, a few minutes
     .venv/bin/python scripts/bench_overhead.py --quick    # under a minute
+    .venv/bin/python scripts/bench_overhead.py --mesh     # 4 ranks, dp_shard=2 x tp=2 (issue 36)
+
+`--mesh` measures the recipe loop of recipes/train_nd.py on a 2-D mesh against the same loop
+without the runtime instead (scripts/_overhead_mesh.py explains its variants).
 
 Launches itself under torchrun with 2 ranks (--standalone, a free port); scratch files go to
 a temporary directory under ./bench-output/ (or --dir), removed at the end. One process group,
@@ -63,6 +67,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dir", default=None, help="scratch parent (default ./bench-output/)")
     p.add_argument("--out", default=None, help="(internal) where rank 0 writes its results")
+    p.add_argument("--mesh", action="store_true", help="4 ranks on dp_shard=2 x tp=2 (train_nd)")
     args = p.parse_args()
     args.rounds = args.rounds or (12 if args.quick else 32)
     args.block = args.block or (6 if args.quick else 8)
@@ -81,7 +86,7 @@ def launch(args: argparse.Namespace) -> int:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        "4" if args.mesh else "2",
         __file__,
         *sys.argv[1:],
         "--out",
@@ -96,6 +101,12 @@ def launch(args: argparse.Namespace) -> int:
         if rc != 0:
             return rc
         result = json.loads(out.read_text())
+        if args.mesh:
+            from _overhead_mesh import report_mesh
+
+            result["wall_s"] = round(time.perf_counter() - t0, 1)
+            report_mesh(result)
+            return 0
         result["monitor_cpu_fraction_16k"] = monitor_scale()
         extra = result["watchdog_thread_cpu_fraction"] + result["phase_bookkeeping_fraction"]
         for v in ("guard", "micro"):
@@ -520,6 +531,11 @@ def main() -> int:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:
         return launch(args)
+    if args.mesh:
+        from _overhead_mesh import mesh_worker
+
+        mesh_worker(args)
+        return 0
     worker(args)
     return 0
 

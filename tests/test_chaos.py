@@ -93,7 +93,7 @@ def test_generator_is_seeded_and_valid():
     assert generate(8, 200) != a
     kinds = {f.kind for sc in a for f in sc.faults}
     # every one-host kind of cold mode, in 200 schedules (numerical faults have their own draw)
-    assert kinds == set(FAULT_KINDS) - {"node_loss"} - HOT_ONLY - NUMERIC
+    assert kinds == set(FAULT_KINDS) - {"node_loss", "resize"} - HOT_ONLY - NUMERIC
     assert {sc.storage for sc in a} == {"local", "s3"}
     for sc in a:  # Scenario's own checks ran at construction; faults land after a save
         assert all(sc.save_every < f.at_step < sc.steps - sc.save_every for f in sc.faults)
@@ -166,6 +166,18 @@ _EXTENDED = {
     # a bit flipped in one of three DDP replicas, named by the majority (25 s with its
     # fault-free run); CI runs bitflip_rerun (two ranks, the save's own check sees it)
     "bitflip_majority",
+    # meshes (issue 36, tests/test_chaos_mesh.py): CI runs mesh_tp_kill, mesh_hsdp_kill and
+    # mesh_tp_hot (bitwise, the samples exact); these run the three faults cold and hot on
+    # each mesh and the resizes (4 ranks on two cores: about a minute each, or more)
+    "mesh_tp_faults_cold",
+    "mesh_hsdp_faults_cold",
+    "mesh_tp_faults_hot",
+    # needs HSDP's hot recovery (issue 36 item 3): until it lands a lost rank stalls into a
+    # cold restart and (g) fails
+    "mesh_hsdp_faults_hot",
+    "mesh_resize_dp",
+    "mesh_resize_tp",
+    "mesh_resize_hsdp",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
@@ -187,10 +199,12 @@ def test_matrix_scenario_keeps_every_invariant(path: Path, tmp_path_factory):
     if sc.stops_at() is not None:  # a bad batch stopped it (87): no final state to compare
         assert result.checks["a_bitwise_equal"].startswith("n/a (stopped")
         assert result.checks["h_numeric"].endswith("-> stop, exit 87")
-    elif sc.hosts == 1:
+    elif sc.hosts == 1 and not any(f.kind == "resize" for f in sc.faults):
         assert result.checks["a_bitwise_equal"] == "pass"
-    else:  # the world shrank: bits differ by design, the run must still finish
+    else:  # the world shrank or the mesh changed: bits differ by design, the run must finish
         assert result.checks["a_bitwise_equal"].endswith("finished: pass")
+    if sc.mesh:  # every step on the samples of the sampler's order (chaos/mesh.py)
+        assert result.checks["i_samples"].startswith("pass")
     assert result.checks["e_no_leftover"] == "pass"
 
 

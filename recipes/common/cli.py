@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +18,20 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from .data import build_dataset
 
-__all__ = ["build_loader", "device_for", "parse_args", "split_at", "write_digest"]
+__all__ = [
+    "SampleLog",
+    "build_loader",
+    "device_for",
+    "parse_args",
+    "split_at",
+    "write_digest",
+]
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(
+    description: str, more: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    """The recipes' common flags; `more` adds a recipe's own (recipes/train_nd.py's mesh)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
     p.add_argument(
@@ -54,6 +66,14 @@ def parse_args(description: str) -> argparse.Namespace:
         help="with --micro-batches: least micro-batches per step, 'STEP:SPLIT,...', each from "
         "its step on (the split an OOM retry leaves behind, for a reference run)",
     )
+    p.add_argument(
+        "--sample-log",
+        default=None,
+        help="append the sample ids each step trained on to DIR/rank<R>.jsonl, one line per "
+        "rank and step (an audit of the data position; the chaos harness checks it)",
+    )
+    if more is not None:
+        more(p)
     return p.parse_args()
 
 
@@ -68,7 +88,9 @@ def split_at(splits: str, step: int) -> int | None:
 
 
 def build_loader(args: argparse.Namespace, rank: int, world_size: int) -> StatefulDataLoader:
-    """A resumable loader over this rank's shard of the corpus, reshuffled each epoch."""
+    """A resumable loader over this rank's shard of the corpus, reshuffled each epoch.
+    `rank` and `world_size` are the data-parallel coordinate and degree: on a mesh with
+    tensor parallelism, not the global rank and world (recipes/train_nd.py)."""
     dataset, _ = build_dataset(block_size=64, num_chars=args.corpus_chars, seed=args.seed)
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
@@ -100,3 +122,27 @@ def write_digest(rt: Any, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             json.dump({"step": rt.step, "world_size": rt.world_size, "digest": digest}, f)
         print(f"final step {rt.step} state sha256 {digest} -> {path}", flush=True)
     return digest
+
+
+class SampleLog:
+    """`--sample-log DIR`: one JSON line per step on each rank, the sample ids it trained on
+    with the world, the data-parallel degree and coordinate and the micro-batches per step.
+    Appended, so a resumed attempt's lines follow the earlier ones (the later record of a
+    step wins)."""
+
+    def __init__(self, directory: str | None, rank: int, world: int, dp: int, dp_rank: int):
+        self._f = None
+        self._base = {"rank": rank, "world": world, "dp": dp, "dp_rank": dp_rank}
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self._f = open(os.path.join(directory, f"rank{rank}.jsonl"), "a")  # noqa: SIM115
+
+    def write(self, step: int, ids: list[int], accum: int) -> None:
+        if self._f is not None:
+            line = {**self._base, "step": step, "accum": accum, "ids": ids, "t": time.time()}
+            self._f.write(json.dumps(line) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()

@@ -31,6 +31,10 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.1
+    fused_qkv: bool = True
+    """One projection for q, k and v (the default, as the DDP and FSDP2 recipes save it), or
+    three (`q`, `k`, `v`): tensor parallelism shards each by heads, which a fused one's rows,
+    q then k then v, would not allow (recipes/train_nd.py)."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -47,25 +51,35 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        # One fused projection for q, k, v keeps the parameter count and FLOPs minimal.
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.head_dim = config.n_embd // config.n_head
+        # One fused projection for q, k, v keeps the parameter count and FLOPs minimal; three
+        # apart let tensor parallelism give each rank whole heads of each.
+        if config.fused_qkv:
+            self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        else:
+            self.q = nn.Linear(config.n_embd, config.n_embd)
+            self.k = nn.Linear(config.n_embd, config.n_embd)
+            self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(self.n_embd, dim=2)
-        head_dim = c // self.n_head
-        # (B, T, C) -> (B, nh, T, hs), the layout SDPA expects.
-        q = q.view(b, t, self.n_head, head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_head, head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_head, head_dim).transpose(1, 2)
+        b, t, _ = x.shape
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(self.n_embd, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        # (B, T, C) -> (B, nh, T, hs), the layout SDPA expects. The heads are counted from
+        # the width: under tensor parallelism each rank holds n_head / tp of them.
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         # is_causal=True builds the mask internally, so no mask buffer ends up in
         # state_dict (checkpoints then hold parameters only).
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_dropout(self.proj(y))
 
 
