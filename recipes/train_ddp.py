@@ -44,11 +44,11 @@ def main() -> None:
                 with mb:
                     _, loss = model(*mb.inputs)
                     mb.backward(loss)
-                    rt.observe(loss=loss)  # resilient: fingerprints and loss-spike checks
+                    rt.observe(loss=loss)  # resilient: after mb.backward, which may retry
         else:
             _, loss = model(x.to(device), y.to(device))
+            rt.observe(loss=loss)  # resilient: before backward, its checks ride the all-reduce
             loss.backward()
-            rt.observe(loss=loss)  # resilient: fingerprints and loss-spike checks
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

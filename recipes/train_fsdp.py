@@ -40,8 +40,8 @@ def main() -> None:
     for step in rt.steps(total=args.steps, stop_at=args.stop_at):  # resilient: resumes, saves
         _, x, y = next(batches)
         _, loss = model(x.to(device), y.to(device))
-        loss.backward()
         rt.observe(loss=loss)  # resilient: fingerprints and loss-spike checks
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from helpers import Launcher, run_cmd, run_events
+from helpers import WORKERS, Launcher, free_port, run_cmd, run_events
 
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
@@ -88,6 +89,33 @@ def test_one_process_catches_a_nan_gradient_before_the_optimizer_changes_anythin
     with pytest.raises(ValueError, match="scalar loss"):
         watch.begin(4)
         watch.observe_loss(torch.ones(3))
+
+
+# ------------------------------------------------------------------ the agreement's messages
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ddp_agrees_inside_the_gradient_all_reduce_and_a_spike_never_reaches_the_weights(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """2 ranks (tests/workers/numeric_agree.py): with the loss observed before its backward,
+    a DDP step's checks send no message of their own; observed after it, or under FSDP2,
+    one all-reduce of one number a step. Rank 0's loss spikes at step 6 in each: both ranks
+    agree on it, name rank 0 alone, and the step changes no weight."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+           str(WORKERS / "numeric_agree.py"), f"--out={tmp_path}"]  # fmt: skip
+    rc, stdout, stderr = launcher.run(cmd, timeout=140)
+    assert rc == 0, stdout[-2000:] + stderr[-6000:]
+    expected = {"ddp_observed_first": 0, "ddp_observed_late": 1, "fsdp2": 1}
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for variant, messages in expected.items():
+            v = got[variant]
+            assert v["quiet_collectives"] == [messages] * 7, (rank, variant, v)
+            assert v["faults"] == [{"step": 6, "ranks": [0], "seen": {"0": ["loss spike"]}}]
+            assert v["spiked_step_changed"] is False, (rank, variant)
 
 
 # ------------------------------------------------------------------ real runs

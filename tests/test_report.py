@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from resilient.events import read_events
 from resilient.report import analyze, format_report, plot_timeline
 
 T0 = 1_800_000_000.0
@@ -433,3 +434,66 @@ def test_a_fault_right_after_a_rollback_is_labelled_before_rank_0_says_it_is_don
         ("raise", "cold restart"),
     ]
     assert [f.fault_t for f in faults] == [pytest.approx(T0 + 4.0), pytest.approx(T0 + 5.1)]
+
+
+# ------------------------------------------------------------------ recorded real runs
+RECORDED = Path(__file__).resolve().parent / "data" / "report_runs"
+"""Event logs of real short runs, recorded by tests/record_report_runs.py (see there)."""
+
+
+def _without_chaos(name: str, tmp_path: Path) -> Path:
+    """A recorded run's logs without the chaos harness's record: a user's run reads so."""
+    dst = tmp_path / name
+    (dst / "logs").mkdir(parents=True)
+    for f in (RECORDED / name / "logs").glob("*.jsonl"):
+        if f.name != "chaos.jsonl":
+            (dst / "logs" / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _named(name: str, tmp_path: Path) -> tuple[list, list]:
+    """(the faults with chaos's record, the same without it); goodput is the same both ways."""
+    with_chaos, without = analyze(RECORDED / name), analyze(_without_chaos(name, tmp_path))
+    assert without.goodput == with_chaos.goodput
+    assert without.productive_s == with_chaos.productive_s
+    assert [f.recovery for f in without.faults] == [f.recovery for f in with_chaos.faults]
+    assert all(f.kind != "unknown" for f in without.faults)
+    return with_chaos.faults, without.faults
+
+
+def test_a_stopped_rank_replaced_hot_is_named_with_its_wait_for_the_timeout(tmp_path: Path):
+    """A SIGSTOPped rank replaced hot: named "stopped" from the watchdog's verdict, detected
+    after the heartbeat timeout (3 s here), counted from the rank's last heartbeat."""
+    (chaos,), (own,) = _named("stopped", tmp_path)
+    assert (chaos.kind, own.kind) == ("stop", "stopped")
+    (verdict,) = [
+        e
+        for e in read_events(RECORDED / "stopped", "hang.detected")
+        if e.get("kind") == "no_heartbeat"
+    ]
+    silent = verdict["named"][0]["silent_s"]
+    assert silent >= 3.0 and own.detect_s == pytest.approx(silent, abs=1e-3)
+    assert chaos.detect_s is not None and abs(own.detect_s - chaos.detect_s) < 0.5
+    assert not own.exact_time and "stopped " in format_report(analyze(tmp_path / "stopped"))
+
+
+def test_numeric_and_lost_process_restarts_are_named(tmp_path: Path):
+    """A NaN at step 6 restarted cold (snapshots off), then a rank SIGKILLed: "numeric" with
+    its step, and "lost process"."""
+    chaos, own = _named("numeric", tmp_path)
+    assert [(f.kind, f.step) for f in chaos] == [("nan", 6), ("kill", None)]
+    assert [(f.kind, f.step) for f in own] == [("numeric", 6), ("lost process", None)]
+    assert "numeric @6" in format_report(analyze(tmp_path / "numeric"))
+
+
+def test_hot_recoveries_are_named_as_the_guard_and_the_survivors_saw_them(tmp_path: Path):
+    chaos, own = _named("hot", tmp_path)
+    assert [f.kind for f in chaos] == ["raise", "oom", "kill"]
+    assert [f.kind for f in own] == ["exception", "oom", "lost process"]
+
+
+def test_a_preemption_is_named_from_the_ranks_agreement(tmp_path: Path) -> None:
+    test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path)
+    (tmp_path / "logs" / "chaos.jsonl").unlink()
+    (fault,) = analyze(tmp_path).faults
+    assert fault.kind == "preemption" and fault.steps_lost == 0

@@ -5,9 +5,19 @@ each rank sums its own gradients (its shards under FSDP2; under DDP they are alr
 all-reduced, so a NaN on one rank is a NaN on all): a NaN or inf anywhere makes the sum
 non-finite, and only then does an exact look (and a norm for the event) follow. It checks
 the loss the script observed and, with spike detection on, compares that loss with its
-running mean. One small all-gather on the control group puts every rank's findings on every
-rank, so all of them decide alike; under DDP with nothing found and no spike detection, no
-message is needed (the reduced gradients are the same everywhere).
+running mean.
+
+Agreeing costs no message of its own in the usual DDP step. The reduced gradients are the
+same on every rank, so their sum gives every rank the same verdict on them. A loss observed
+before its backward carries its own verdict into them: a hook on the loss tensor makes the
+gradient flowing back from it NaN when the loss is non-finite or spiked, so DDP's gradient
+all-reduce puts the NaN on every rank (the way the OOM guard's failing rank joins it,
+guard/attempt.py), and every rank finds it before `optimizer.step()`. Only then, on a
+finding, does one all-gather on the control group name the rank it came from and what each
+saw. Where the gradients are not replicated (FSDP2's shards, or a loop without a tracked
+optimizer), or with spike detection on and a loss observed after its backward (too late to
+ride the all-reduce), one all-reduce of a single number a step agrees whether any rank saw
+anything, and the all-gather follows only when one did (docs/numerics.md#detection).
 
 A step with a finding (or one listed to be skipped) has its gradients dropped (set to None):
 the optimizer then changes nothing, and the loop's end of step (runtime/loops.py) rolls
@@ -31,8 +41,8 @@ from resilient.numeric.config import NumericConfig
 
 __all__ = ["Fault", "NumericWatch"]
 
-_LOSS_BAD, _GRAD_BAD, _SPIKE, _LOSS, _NORM, _MEAN, _HAS = range(7)
-_WIDTH = 7
+_LOSS_BAD, _GRAD_BAD, _SPIKE, _LOSS, _NORM, _MEAN, _HAS, _CARRIED = range(8)
+_WIDTH = 8
 
 
 @dataclass(slots=True)
@@ -123,6 +133,17 @@ class NumericWatch:
         self._fault: Fault | None = None
         self._skip_step = False
         self._replicated = False
+        self._tokens = 0
+        self._unfired: set[int] = set()
+        """This step's loss hooks that have not run yet (observed after their backward, or
+        not part of it): their verdict did not ride the gradient all-reduce."""
+        self._unhooked = False
+        """A loss was observed that no hook can follow (a number, or a tensor with no
+        gradient): its verdict cannot ride the gradients either."""
+        self._spiked: torch.Tensor | bool = False
+        """This rank turned its gradients NaN for a loss spike (not for a NaN loss, whose
+        gradients are non-finite by themselves): the other ranks' non-finite gradients
+        are then this rank's doing, not theirs."""
 
     @property
     def enabled(self) -> bool:
@@ -133,11 +154,12 @@ class NumericWatch:
         """Hook `optimizer.step()`; the hook's handle (None without an optimizer).
 
         `replicated`: every rank holds the same reduced gradients when step() runs (DDP), so
-        a non-finite gradient is seen by all ranks alike and they agree without a message;
-        the all-gather then runs only after a finding (to name its origin) or when spike
-        detection needs every rank's own loss."""
+        a non-finite gradient is seen by all ranks alike, and a loss observed before its
+        backward carries its verdict into them (the module doc): the ranks agree without a
+        message of their own, and the all-gather runs only after a finding, to name its
+        origin."""
         self._optimizer = optimizer
-        self._replicated = replicated
+        self._replicated = replicated and optimizer is not None
         if optimizer is None or not self.enabled:
             return None
         return optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -145,6 +167,7 @@ class NumericWatch:
     def begin(self, step: int) -> None:
         self._step, self._loss, self._checked, self._fault = step, None, False, None
         self._skip_step = step in self.config.skip_steps or step in self.skipped.steps
+        self._unfired, self._unhooked, self._spiked = set(), False, False
 
     def observe_loss(self, loss: Any) -> None:
         if not self.enabled or self._step is None:
@@ -163,6 +186,46 @@ class NumericWatch:
                 f"rt.observe(loss=...) takes a scalar tensor or a number, got {type(loss).__name__}"
             )
         self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+        if not self._replicated:
+            return
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            self._tokens += 1
+            self._unfired.add(self._tokens)
+            loss.register_hook(self._carry(self._tokens))
+        else:
+            self._unhooked = True
+
+    def _threshold(self) -> float | None:
+        """The loss above which this step spikes (None: not judged yet, or off)."""
+        mean, factor = self.loss_mean.mean, self.config.spike_factor
+        if factor is None or mean is None or self.loss_mean.count < self.config.spike_window:
+            return None
+        return factor * mean
+
+    def _carry(self, token: int) -> Any:
+        """The hook on an observed loss: while its backward runs (before DDP reduces a
+        gradient), the gradient leaving it turns NaN when the step's loss so far is
+        non-finite or spiked, so DDP's all-reduce carries the verdict to every rank."""
+
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            self._unfired.discard(token)
+            loss, thr, nonfinite = self._loss, self._threshold(), self.config.nonfinite
+            if loss is None or (thr is None and not nonfinite):
+                return None
+            if loss.device.type == "cpu":  # a number on the host: decide here
+                v = float(loss)
+                spike = thr is not None and math.isfinite(v) and v > thr
+                if spike:
+                    self._spiked = True
+                return grad * math.nan if spike or (nonfinite and not math.isfinite(v)) else None
+            # on a device: decide there, without waiting for it
+            finite = torch.isfinite(loss)
+            spike_t = finite & (loss > thr) if thr is not None else torch.zeros_like(finite)
+            self._spiked = spike_t | self._spiked
+            bad = spike_t | ~finite if nonfinite else spike_t
+            return grad * torch.where(bad, math.nan, 1.0).to(grad.dtype)
+
+        return hook
 
     def end_step(self) -> Fault | None:
         """The step's agreed fault (None: none). Checks now when no optimizer step did."""
@@ -195,39 +258,38 @@ class NumericWatch:
 
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
         self._checked = True
-        # the loss and the gradient norm come to the host together: one device sync a step
+        # the loss, the gradient sum and the carried spike come to the host together: one
+        # device sync a step
         parts = [self._loss if self._loss is not None else torch.tensor(math.nan)]
         parts.append(_screen(grads) if grads else torch.tensor(math.nan))
-        loss_t, norm_t = torch.stack([t.float().cpu() for t in parts]).double().tolist()
+        spiked = self._spiked
+        parts.append(spiked if isinstance(spiked, torch.Tensor) else torch.tensor(spiked))
+        loss_t, norm_t, carried_t = _host(parts)
+        carried = bool(carried_t)
         flagged = bool(grads) and not math.isfinite(norm_t)
         if flagged:  # the screen flags: the exact look, and the norm for the event
             flagged = _any_nonfinite(grads or [])
             norm_t = float(_norm(grads or [])) if flagged else math.nan
-        mine = torch.zeros(_WIDTH, dtype=torch.float64)
         has_loss, has_norm = self._loss is not None, flagged
+        nonfinite, thr = self.config.nonfinite, self._threshold()
+        loss_bad = nonfinite and has_loss and not math.isfinite(loss_t)
+        grad_bad = nonfinite and has_norm and not math.isfinite(norm_t)
+        spike = carried or (thr is not None and has_loss and loss_t > thr)
+        if not self._agree(loss_bad or grad_bad or spike, flagged, grads):
+            return
+        mine = torch.zeros(_WIDTH, dtype=torch.float64)
         mine[_HAS] = has_loss + 2 * has_norm
         mine[_LOSS], mine[_NORM] = loss_t, norm_t
-        if self.config.nonfinite and has_loss and not math.isfinite(loss_t):
-            mine[_LOSS_BAD] = 1
-        if self.config.nonfinite and has_norm and not math.isfinite(norm_t):
-            mine[_GRAD_BAD] = 1
-        mean, factor = self.loss_mean.mean, self.config.spike_factor
-        mine[_MEAN] = math.nan if mean is None else mean
-        if (
-            factor is not None
-            and has_loss
-            and mean is not None
-            and self.loss_mean.count >= self.config.spike_window
-            and loss_t > factor * mean
-        ):
-            mine[_SPIKE] = 1
-        quiet = not mine[:3].any()
-        if quiet and self._replicated and grads and self.config.spike_factor is None:
-            return  # finite reduced gradients here are finite everywhere: nothing to agree
+        mine[_LOSS_BAD], mine[_GRAD_BAD], mine[_SPIKE] = loss_bad, grad_bad, spike
+        mine[_MEAN] = math.nan if self.loss_mean.mean is None else self.loss_mean.mean
+        mine[_CARRIED] = carried
         every = self._gather(mine)
+        if bool(every[:, _CARRIED].any()):  # NaN gradients of a spike's own making
+            every[:, _GRAD_BAD] = 0
         ranks = [r for r in range(len(every)) if bool(every[r][:3].any())]
         if not ranks:
             return
+        factor = self.config.spike_factor
         fault = Fault(step=int(self._step or 0), ranks=ranks, phase=phase)
         for r in ranks:
             row = every[r].tolist()
@@ -247,12 +309,35 @@ class NumericWatch:
             fault.threshold[r] = None if math.isnan(m) or factor is None else factor * m
         self._fault = fault
 
+    def _agree(self, mine: bool, flagged: bool, grads: list[torch.Tensor] | None) -> bool:
+        """Whether any rank saw something this step (the same answer on every rank)."""
+        if not self.ctx.distributed or self.ctx.world_size == 1:
+            return mine
+        if self._replicated and grads:
+            carried = not self._unfired and not self._unhooked
+            if carried or self.config.spike_factor is None:
+                # the reduced gradients, the same on every rank, hold every verdict (each
+                # observed loss's rode the all-reduce), or the only one that matters across
+                # ranks: a NaN loss whose gradients stayed finite is this rank's alone
+                return flagged
+        flag = torch.tensor([float(mine)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        return bool(flag[0])
+
     def _gather(self, mine: torch.Tensor) -> torch.Tensor:
         if not self.ctx.distributed or self.ctx.world_size == 1:
             return mine.unsqueeze(0)
         out = [torch.zeros_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(out, mine, group=self.ctx.control_group)
         return torch.stack(out)
+
+
+def _host(parts: list[torch.Tensor]) -> list[float]:
+    """Scalars as Python floats: one transfer for those on a device."""
+    if all(t.device.type == "cpu" for t in parts):
+        return [float(t) for t in parts]
+    values: list[float] = torch.stack([t.float().cpu() for t in parts]).double().tolist()
+    return values
 
 
 def _local(grads: list[torch.Tensor]) -> list[torch.Tensor]:

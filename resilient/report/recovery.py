@@ -2,7 +2,8 @@
 
 A recovery is a cold restart (a new attempt) or a hot one, in place (rank 0's rollback.done,
 recovery.hot.formed or oom.retry). Each is matched with its own fault: the chaos harness's
-`chaos.fault` when there is one, else a time estimated from the logs. Its costs (detection,
+`chaos.fault` when there is one (its kind and exact time), else the cause the run's own
+events name (causes.py: the kind, and a time estimated from the logs). Its costs (detection,
 restart to the resumed state, the first step completed after it, the steps run again) are
 measured from that fault.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from resilient import events as ev
+from resilient.report.causes import Cause, cause_of
 from resilient.report.results import COLD, HOT_REPLACEMENT, HOT_ROLLBACK, RETRY, FaultReport
 
 __all__ = ["recoveries"]
@@ -27,6 +29,7 @@ _DETECT = set(ev.DETECTION) | {
     ev.RECOVERY_HOT_DETECT,
     ev.RECOVERY_COLD,
     ev.OOM_RETRY,
+    "numeric.fault",
 }
 
 
@@ -61,6 +64,9 @@ def recoveries(
         mine = [i for i, c in enumerate(chaos) if i not in used and prev_t - 0.001 <= c["t"] <= t]
         if mine:
             used.add(mine[0])
+        cause = cause_of([e for e in events if prev_t - 0.001 <= e["t"] <= t])
+        if kind == RETRY:  # the guard's retry of an OOM names itself
+            cause = Cause("oom", cause.fault_t if cause else t, cause.detect_t if cause else t)
         if kind == COLD:
             in_attempt = [e["t"] for e in events if int(e.get("restart", -1)) == a and e["t"] <= t]
             est = max(in_attempt, default=t)
@@ -69,6 +75,8 @@ def recoveries(
                 (e["t"] for e in rank0 if prev_t <= e["t"] <= t and e.get("event") in _DETECT),
                 t,
             )
+        if cause is not None:  # the run's own events date it (a hang: its last heartbeat)
+            est = cause.fault_t
         fault_t = chaos[mine[0]]["t"] if mine else est
         detected = [
             e["t"] for e in events if e.get("event") in _DETECT and fault_t - 0.001 <= e["t"] <= t
@@ -110,7 +118,10 @@ def recoveries(
         out.append(
             FaultReport(
                 attempt=a,
-                kind=str(chaos[mine[0]].get("kind", "?")) if mine else "unknown",
+                kind=str(chaos[mine[0]].get("kind", "?"))
+                if mine
+                else (cause.kind if cause is not None else "unknown"),
+                step=cause.step if cause is not None and cause.kind == "numeric" else None,
                 fault_t=fault_t,
                 exact_time=bool(mine),
                 detect_s=detect_t - fault_t,

@@ -35,6 +35,13 @@ class FaultReport:
     failed attempt's last progress event was lost with it)."""
     recovery: str = COLD
     """COLD, HOT_ROLLBACK, HOT_REPLACEMENT or RETRY."""
+    step: int | None = None
+    """The step a numerical fault was seen at (None for other kinds)."""
+
+    @property
+    def label(self) -> str:
+        """The kind as the report prints it (a numerical fault with its step)."""
+        return self.kind if self.step is None else f"{self.kind} @{self.step}"
 
 
 @dataclass(slots=True)
