@@ -77,7 +77,7 @@ def _launch(
         handler = StoreOutliving(
             lambda: rdzv_registry.get_rendezvous_handler(rdzv_parameters),
             first=handler,
-            on_event=sup.on_event,
+            log=sup.log,
             endpoint=config.rdzv_endpoint,
             join_timeout_s=float(config.rdzv_configs.get("join_timeout", 600)),
         )

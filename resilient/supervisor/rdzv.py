@@ -14,7 +14,8 @@ node, the first one too, is the loss of one node (docs/operating.md#the-rendezvo
   2.13: every later call fails with "Broken pipe"), so when the store restarts, the running
   round goes on (the agent's look for waiting nodes answers 0 and says so once, instead of
   failing the agent) while a thread builds a fresh handler, and the next round joins through
-  the fresh one. Events: `rdzv.store_lost`, `rdzv.store_back` (with the outage's length).
+  the fresh one. Events in the supervisor's log: `rdzv.store_lost` (a warning: when, during
+which call), `rdzv.store_back` (with the outage's length).
 """
 
 from __future__ import annotations
@@ -206,14 +207,14 @@ class StoreOutliving(RendezvousHandler):
         make: Callable[[], RendezvousHandler],
         *,
         first: RendezvousHandler | None = None,
-        on_event: Callable[..., None],
+        log: Any,
         endpoint: str,
         join_timeout_s: float,
         retry_every_s: float = 1.0,
     ) -> None:
         self._make = make
         self._inner = first if first is not None else make()
-        self._on_event = on_event
+        self._log = log
         self._endpoint = endpoint
         self._join_timeout_s = join_timeout_s
         self._retry_every_s = retry_every_s
@@ -247,7 +248,7 @@ class StoreOutliving(RendezvousHandler):
             if self._lost_at is not None:
                 return
             self._lost_at = time.monotonic()
-        self._on_event(
+        self._log.warning(
             "rdzv.store_lost",
             endpoint=self._endpoint,
             during=during,
@@ -267,7 +268,7 @@ class StoreOutliving(RendezvousHandler):
                 continue
             with self._lock:
                 self._inner, lost_at, self._lost_at = fresh, self._lost_at, None
-            self._on_event(
+            self._log.info(
                 "rdzv.store_back",
                 endpoint=self._endpoint,
                 outage_s=round(time.monotonic() - (lost_at or time.monotonic()), 3),
