@@ -2,7 +2,7 @@
 what a rendezvous round costs.
 
     python scripts/bench_rdzv.py                 # both parts, 2 kills of each kind, 3x10 rounds
-    python scripts/bench_rdzv.py --part rounds   # only the rendezvous rounds (under a minute)
+    python scripts/bench_rdzv.py --part rounds   # only the rendezvous rounds (no root needed)
     python scripts/bench_rdzv.py --today         # also today's node-hosted store losing host 0
 
 Kills (root: network namespaces, chaos.netns.Lan): three hosts run `resilient run --nnodes
@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -187,7 +188,7 @@ def _kill_once(victim: int, tmp: Path, *, external: bool = True) -> dict[str, An
         procs += agents
         wait_for(
             lambda: committed() >= 4 and any(r["world"] == 3 for r in recs()),
-            timeout=240,
+            timeout=600,
             what="a checkpoint on three hosts",
         )
         starts = [
@@ -208,7 +209,7 @@ def _kill_once(victim: int, tmp: Path, *, external: bool = True) -> dict[str, An
                     return max(ts)
             return None
 
-        t_next = wait_for(next_step, timeout=300, what="a step on the two survivors")
+        t_next = wait_for(next_step, timeout=600, what="a step on the two survivors")
         return {"kill_to_step_s": round(t_next - t_kill, 3), "victim_node": starts[-1]["node"]}
     finally:
         for p in procs:
@@ -226,10 +227,14 @@ def bench_kills(repeats: int, today: bool) -> dict[str, Any]:
     if why:
         return {"kills": f"skipped: {why}"}
     got: dict[str, list[float]] = {"first": [], "other": []}
-    for _ in range(repeats):
+    out_dir = REPO / "bench-output" / "rdzv"
+    for n in range(repeats):
         for kind, victim in (("first", 0), ("other", 1)):
-            with tempfile.TemporaryDirectory() as d:
-                r = _kill_once(victim, Path(d))
+            d = out_dir / f"{kind}{n}"  # kept when a launch fails, for its logs
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            r = _kill_once(victim, d)
+            shutil.rmtree(d, ignore_errors=True)
             if r["victim_node"] != victim:
                 print(f"[kills] host {victim} was group rank {r['victim_node']}", flush=True)
             got[kind].append(r["kill_to_step_s"])
@@ -242,8 +247,11 @@ def bench_kills(repeats: int, today: bool) -> dict[str, Any]:
         "kills": got,
     }
     if today:
-        with tempfile.TemporaryDirectory() as d:
-            out["today_first"] = _kill_once(0, Path(d), external=False)
+        d = out_dir / "today"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        out["today_first"] = _kill_once(0, d, external=False)
+        shutil.rmtree(d, ignore_errors=True)
         print(f"[kills] today, host 0 lost: {out['today_first']}", flush=True)
     return out
 

@@ -405,3 +405,48 @@ def test_three_hosts_the_first_one_dies_the_other_two_finish(tmp_path: Path) -> 
 def test_three_hosts_survive_a_store_restart_then_the_first_one_dying(tmp_path: Path) -> None:
     # long enough to outlive the store's restart (a fresh process: ~5-20 s here) and more
     _three_hosts_lose_the_first(tmp_path, steps=80, restart_store=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_round_through_torchs_etcd_v2_backend(tmp_path: Path) -> None:
+    """torch's etcd-v2 handler, as `resilient run --rdzv-backend etcd-v2` builds it, forms a
+    round on a real etcd 3.4 serving the v2 API, and the round's store works."""
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd binary (Debian: apt-get install etcd-server)")
+    pytest.importorskip("etcd", reason="torch's etcd-v2 backend needs python-etcd")
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    port = free_port()
+    proc = _etcd(tmp_path, port, v2=True)
+    try:
+        check_external(
+            "etcd-v2",
+            f"127.0.0.1:{port}",
+            run_id="etcd-round",
+            fingerprint="a",
+            command="job a",
+            wait_s=30,
+        )
+        params = RendezvousParameters(
+            backend="etcd-v2",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="etcd-round",
+            min_nodes=1,
+            max_nodes=1,
+            last_call_timeout="1",
+        )
+        h = StoreOutliving(
+            lambda: registry.get_rendezvous_handler(params),
+            log=_Log(),
+            endpoint=params.endpoint,
+            join_timeout_s=60,
+        )
+        info = h.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("k", "v")
+        assert bytes(info.store.get("k")) == b"v"
+        assert h.num_nodes_waiting() == 0
+        assert h.shutdown()
+    finally:
+        _stop(proc)
