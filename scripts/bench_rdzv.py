@@ -140,7 +140,7 @@ def bench_rounds(launches: int, rounds: int) -> dict[str, Any]:
 def _agent(lan: Lan, i: int, tmp: Path, store: int, external: bool) -> subprocess.Popen[Any]:
     endpoint = f"{lan.addr[3]}:29400" if external else f"{lan.addr[0]}:29400"
     rdzv = ["--rdzv-external"] if external else [f"--rdzv-conf=is_host={int(i == 0)}"]
-    conf = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
+    conf = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=5,join_timeout=600"
     cmd = [
         *lan.exec_prefix(i),
         sys.executable, "-m", "resilient.cli", "run",
