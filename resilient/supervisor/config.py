@@ -198,14 +198,14 @@ def parse_command_line(
     except ConfigError as e:
         raise UsageError(str(e)) from e
     _check_script(args)
-    _choose_rendezvous(args, warn)
     external = args.rdzv_external or args.rdzv_backend in ("etcd-v2",)
+    if external and not args.rdzv_endpoint:
+        raise UsageError("--rdzv-external needs --rdzv-endpoint HOST:PORT of the store")
+    _choose_rendezvous(args, warn)
     if external and args.rdzv_backend not in ("c10d", "etcd-v2"):
         raise UsageError(
             f"--rdzv-external needs --rdzv-backend c10d or etcd-v2, not {args.rdzv_backend!r}"
         )
-    if external and not args.rdzv_endpoint:
-        raise UsageError("--rdzv-external needs --rdzv-endpoint HOST:PORT of the store")
     if not args.rdzv_wait > 0:
         raise UsageError(f"--rdzv-wait must be > 0 seconds, got {args.rdzv_wait}")
     if args.hot_recovery and args.no_python:
