@@ -143,7 +143,7 @@ def _agent(lan: Lan, i: int, tmp: Path, store: int, external: bool) -> subproces
     # generous: on this shared 2-core machine a shorter last call formed the first round
     # without the third node, which then waited for a membership change (both kinds pay it
     # once more after the kill, so the ratio keeps its meaning)
-    conf = "last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=5,join_timeout=600"
+    conf = "last_call_timeout=10,keep_alive_interval=3,keep_alive_max_attempt=2,join_timeout=600"
     cmd = [
         *lan.exec_prefix(i),
         sys.executable, "-m", "resilient.cli", "run",

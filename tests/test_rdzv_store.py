@@ -304,9 +304,10 @@ def _agent(lan: Lan, i: int, tmp: Path, steps: int) -> subprocess.Popen[bytes]:
             f"--rdzv-endpoint={lan.addr[3]}:29400",
             "--rdzv-external",
             "--rdzv-id=three-hosts",
-            # a node is dead after 5 s without keep-alive; with 3 s, a third node's join ran
-            # out of time once on this 2-core machine at a load average of 27
-            "--rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5,"
+            # every member rewrites the whole state at each keep-alive; at 1 s a starved
+            # node's join kept losing its compare-and-set under a load average of 40 and never
+            # got in (docs/internals.md#g-rdzv-keep-alive-cas): 3 s, dead after 6 s
+            "--rdzv-conf=last_call_timeout=3,keep_alive_interval=3,keep_alive_max_attempt=2,"
             "join_timeout=300",
             f"--local-addr={lan.addr[i]}",
             f"--run-dir={tmp / ('run' + name)}",
