@@ -12,7 +12,7 @@ import os
 import random
 import subprocess
 
-__all__ = ["Hosts", "netns_unavailable"]
+__all__ = ["Hosts", "Lan", "netns_unavailable"]
 
 
 def _ip(*args: str) -> None:
@@ -84,3 +84,40 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+class Lan(Hosts):
+    """`n` hosts on one switch: a bridge in a network namespace of its own, each host joined
+    to it by a veth pair, all on one private 10.x/24. Host i has address `addr[i]`; the same
+    calls as Hosts (exec_prefix, link, pids, kill, down)."""
+
+    def __init__(self, n: int) -> None:
+        tag = f"{os.getpid() % 10000}{random.randint(10, 99)}"
+        self.n = n
+        self.ns = [f"rl{i}{tag}" for i in range(n)]
+        self.switch = f"rls{tag}"
+        self.dev = [f"rlh{i}{tag}" for i in range(n)]
+        self.peer = [f"rlp{i}{tag}" for i in range(n)]
+        net = f"10.{random.randint(64, 127)}.{random.randint(0, 255)}"
+        self.addr = [f"{net}.{i + 1}" for i in range(n)]
+
+    def up(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for ns, dev, peer, addr in zip(self.ns, self.dev, self.peer, self.addr, strict=True):
+            _ip("netns", "add", ns)
+            _ip("link", "add", dev, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", dev, "netns", ns)
+            _ip("link", "set", peer, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", peer, "master", "br0")
+            _ip("-n", self.switch, "link", "set", peer, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def down(self) -> None:
+        for i in range(self.n):
+            self.kill(i)
+        for ns in [*self.ns, self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)

@@ -6,6 +6,7 @@ resilient verify URL      check every file of the newest (or --step N) checkpoin
 resilient report RUN_DIR  goodput, faults and recovery from a run's event logs (--png: timeline)
 resilient export URL --to DIR   a checkpoint's model as safetensors or torch.save files
 resilient check-resume [torchrun flags] script.py [args]   is stop-and-resume bit-exact?
+resilient rendezvous [--port P]   a rendezvous store apart from the training nodes
 
 A location that cannot be used (no credentials, a missing bucket, not a checkpoint location,
 a step that is not there) is one line on stderr naming the location and the fix, exit code 2.
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         from resilient.supervisor import main as run_main
 
         return run_main(argv[1:], live=_live_monitor)
+    if argv[:1] == ["rendezvous"]:  # a store server apart from the job (supervisor/store_server.py)
+        from resilient.supervisor.store_server import main as rendezvous_main
+
+        return rendezvous_main(argv[1:])
     if argv[:1] == ["check-resume"]:  # torchrun's flags too: parsed there (replay/check_resume.py)
         from resilient.live.status import StatusLine
         from resilient.replay.check_resume import main as check_main
@@ -271,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         "check-resume",
         help="run a script straight and stopped-then-resumed on scratch directories and "
         "compare every step (resilient check-resume --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "rendezvous",
+        help="serve a rendezvous store apart from the training nodes (resilient rendezvous --help)",
         add_help=False,
     )
     p = sub.add_parser("ls", help="list the checkpoints under a location")

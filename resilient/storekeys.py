@@ -14,6 +14,12 @@ here, so the two cannot drift apart:
       .../hot/gen_<g>/formed|stepped|replaced       marks of generation g's progress
       .../hot/replica/rank_<r>                      a rank's per-rank state (replicas=0)
       .../hot/raised/<rank>/<step>/<kind>/<split>   how often one failure was replaced
+
+On a store apart from the job (`resilient rendezvous`, supervisor/rdzv.py), outside any
+rendezvous round:
+
+    resilient/server                                what serves the store (pid, host, start)
+    resilient/job/<rdzv id>                         the job that holds that rendezvous id
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from dataclasses import dataclass
 
 ROUND = "resilient/round"
 """Where an agent proposes the attempt id of a rendezvous round (supervisor/agent.py)."""
+
+SERVER = "resilient/server"
+"""Set by `resilient rendezvous` (supervisor/store_server.py): the store is one apart from the
+job; its value says which process serves it."""
 
 WATCHDOG = "watchdog"
 """Under a generation's prefix: the watchdog's keys (its own PrefixStore)."""
@@ -32,6 +42,11 @@ VERDICT = "verdict"
 def round_key(restart: int | None = None) -> str:
     """The round key; per restart count when the rendezvous is static."""
     return ROUND if restart is None else f"{ROUND}/{restart}"
+
+
+def job_claim(run_id: str) -> str:
+    """Which job holds rendezvous id `run_id` on a shared store (supervisor/rdzv.py)."""
+    return f"resilient/job/{run_id}"
 
 
 def worker_prefix(attempt: str, generation: int = 0) -> str:

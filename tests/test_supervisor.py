@@ -210,6 +210,15 @@ def test_shutdown_timeout_below_grace_is_raised_with_a_warning(tmp_path: Path) -
         (["--preempt-signals=SIGKILL", "{script}"], "can be handled"),
         (["--restart-backoff=-1", "{script}"], "backoff"),
         (["-m", "no_such_module_xyz"], "cannot be found"),
+        (["--rdzv-external", "{script}"], "--rdzv-external needs --rdzv-endpoint"),
+        (
+            ["--rdzv-external", "--rdzv-backend=static", "--rdzv-endpoint=h:1", "{script}"],
+            "c10d or etcd-v2",
+        ),
+        (
+            ["--nnodes=1:2", "--rdzv-endpoint=h:1", "--rdzv-external", "--rdzv-wait=0", "{script}"],
+            "--rdzv-wait",
+        ),
     ],
 )
 def test_bad_usage_is_refused_up_front(tmp_path: Path, argv: list[str], message: str) -> None:

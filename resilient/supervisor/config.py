@@ -70,6 +70,11 @@ class SupervisorConfig:
     restarts the group (resilient/hot/recovery.py)."""
     ops: OpsConfig = field(default_factory=OpsConfig)
     """Health checks, live metrics, the status line, straggler eviction (opsflags.py)."""
+    rdzv_external: bool = False
+    """No training node hosts the rendezvous store (`--rdzv-external`, or the etcd-v2
+    backend): every node is its client (supervisor/rdzv.py)."""
+    rdzv_wait_s: float = 30.0
+    """How long an external store may take to answer at start before the run stops."""
 
     def __post_init__(self) -> None:
         if not self.grace_s > 0:
@@ -153,6 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="hot recoveries per attempt before a failure restarts the group (default 3)",
     )
+    g.add_argument(
+        "--rdzv-external",
+        action="store_true",
+        help="the --rdzv-endpoint store runs apart from the training nodes (`resilient "
+        "rendezvous`): every node connects to it as a client, and any node may leave, the "
+        "first one too (implied by --rdzv-backend etcd-v2)",
+    )
+    g.add_argument(
+        "--rdzv-wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with an external store: how long it may take to answer at start (default 30)",
+    )
     add_ops_flags(parser)
     return parser
 
@@ -179,7 +198,16 @@ def parse_command_line(
     except ConfigError as e:
         raise UsageError(str(e)) from e
     _check_script(args)
+    external = args.rdzv_external or args.rdzv_backend in ("etcd-v2",)
+    if external and not args.rdzv_endpoint:
+        raise UsageError("--rdzv-external needs --rdzv-endpoint HOST:PORT of the store")
     _choose_rendezvous(args, warn)
+    if external and args.rdzv_backend not in ("c10d", "etcd-v2"):
+        raise UsageError(
+            f"--rdzv-external needs --rdzv-backend c10d or etcd-v2, not {args.rdzv_backend!r}"
+        )
+    if not args.rdzv_wait > 0:
+        raise UsageError(f"--rdzv-wait must be > 0 seconds, got {args.rdzv_wait}")
     if args.hot_recovery and args.no_python:
         raise UsageError("--hot-recovery re-runs a Python script in place: not with --no-python")
     if args.hot_max < 1:
@@ -207,6 +235,8 @@ def parse_command_line(
         restart=policy,
         hot_max=args.hot_max if args.hot_recovery else 0,
         ops=ops,
+        rdzv_external=external,
+        rdzv_wait_s=args.rdzv_wait,
     )
     return cfg, args
 

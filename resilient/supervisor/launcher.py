@@ -44,6 +44,12 @@ from resilient.supervisor.agent import SupervisedAgent
 from resilient.supervisor.config import UsageError, parse_command_line
 from resilient.supervisor.gate import NodeGate, NodeLeaves
 from resilient.supervisor.hooks import Supervisor
+from resilient.supervisor.rdzv import (
+    RendezvousStoreError,
+    StoreOutliving,
+    check_external,
+    job_fingerprint,
+)
 
 __all__ = ["main"]
 
@@ -65,12 +71,22 @@ def _launch(
     if config.rdzv_backend == "static":
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     os.environ[TORCHELASTIC_SIGNALS_TO_HANDLE] = config.signals_to_handle
+    handler = rdzv_registry.get_rendezvous_handler(rdzv_parameters)
+    if sup.cfg.rdzv_external:
+        # torch's handler, rebuilt when the store restarts (rdzv.py)
+        handler = StoreOutliving(
+            lambda: rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+            first=handler,
+            log=sup.log,
+            endpoint=config.rdzv_endpoint,
+            join_timeout_s=float(config.rdzv_configs.get("join_timeout", 600)),
+        )
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         master_addr=master_addr,
@@ -161,6 +177,29 @@ def main(argv: list[str], *, live: Callable[..., Any] | None = None) -> int:
             if not (cfg.ops.health_checks and _node_trouble(e)):
                 print(f"resilient run: error: checkpoint location: {e}", file=sys.stderr)
                 return int(ExitCode.USAGE)
+    external = None
+    if cfg.rdzv_external:
+        if config.rdzv_backend == "c10d":
+            config.rdzv_configs["is_host"] = False  # no training node hosts it: all are clients
+        try:
+            external = check_external(
+                config.rdzv_backend,
+                config.rdzv_endpoint,
+                run_id=config.run_id,
+                fingerprint=job_fingerprint(
+                    entrypoint=args.training_script,
+                    args=list(args.training_script_args),
+                    nproc_per_node=config.nproc_per_node,
+                    nnodes=str(args.nnodes),
+                    checkpoint=cfg.checkpoint_url,
+                ),
+                command=" ".join(["resilient", "run", *argv]),
+                wait_s=cfg.rdzv_wait_s,
+                protocol=str(config.rdzv_configs.get("protocol", "http")),
+            )
+        except RendezvousStoreError as e:
+            print(f"resilient run: error: {e}", file=sys.stderr)
+            return int(ExitCode.USAGE)
     os.makedirs(cfg.run_dir, exist_ok=True)
     if config.max_nodes > 1:
         # torch 2.13's dynamic rendezvous shares the rank-0 agent's TCPStore with the workers
@@ -201,7 +240,10 @@ def main(argv: list[str], *, live: Callable[..., Any] | None = None) -> int:
         grace_s=cfg.grace_s,
         checkpoint_url=cfg.checkpoint_url,
         run_dir=cfg.run_dir,
+        rdzv_store="external" if cfg.rdzv_external else "this node or a peer",
     )
+    if external is not None:
+        sup.log.info("rdzv.external", **external)
     monitor = None
     if live is not None and (cfg.ops.metrics_port is not None or cfg.ops.status != "off"):
         monitor = live(cfg.run_dir, cfg.ops, log=sup.log).start()
