@@ -5,24 +5,21 @@ must exit 2 with exactly one line on stderr that names the location and the fix,
 credential anywhere in its output. A command's start imports torch (seconds, and minutes
 for all of them on a loaded machine): `python -m resilient.cli` is forked from one process
 that imported it once (tests/workers/cli_forks.py), which must itself print nothing on
-stderr; the `--help` test starts the real interpreter each time. S3 cases talk to moto's
+stderr; `resilient --help` starts a fresh interpreter. S3 cases talk to moto's
 server on 127.0.0.1 (tests/s3_fixtures.py): AWS_ENDPOINT_URL points there, the AWS config
 files and the instance-metadata lookup are switched off.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from helpers import WORKERS, kill_tree, spawn
+from helpers import ForkedCli
 
 if TYPE_CHECKING:  # imported by pytest as a plugin (see tests/test_s3.py)
     from s3_fixtures import S3Env
@@ -37,8 +34,14 @@ URL_KEY, URL_SECRET = "AKIDINTHEURLONLY9X3", "urlOnlySecret/Qp7Lm2Wv"
 Done = subprocess.CompletedProcess[str]
 
 
+@pytest.fixture
+def cli(forked_cli: ForkedCli) -> ForkedCli:
+    return forked_cli
+
+
 def real_cli(*commands: list[str]) -> list[Done]:
-    """`python -m resilient.cli COMMAND` for each command, side by side; results in order."""
+    """`python -m resilient.cli COMMAND` for each command in a fresh interpreter, side by side;
+    results in order."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "resilient.cli", *args],
@@ -60,70 +63,6 @@ def real_cli(*commands: list[str]) -> list[Done]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-class ForkedCli:
-    """`resilient COMMAND` for each command, side by side, forked from one process that has
-    imported the CLI and torch (tests/workers/cli_forks.py); results in order."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.err = tmp / "forks.stderr"
-        self.calls = 0
-        with self.err.open("w") as err:
-            self.proc = spawn(
-                [sys.executable, str(WORKERS / "cli_forks.py")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                cwd=REPO,
-            )
-        assert self._line(120) == "ready", self.err.read_text()[-4000:]
-
-    def _line(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            self.close()
-            pytest.fail(f"the CLI's forks gave no answer in {timeout} s")
-        return self.proc.stdout.readline().strip()
-
-    def __call__(self, *commands: list[str], env: dict[str, str] | None = None) -> list[Done]:
-        self.calls += 1
-        jobs = []
-        for i, args in enumerate(commands):
-            base = self.tmp / f"call{self.calls}-{i}"
-            jobs.append(
-                {
-                    "args": args,
-                    "env": dict(os.environ) if env is None else env,
-                    "cwd": str(REPO),
-                    "out": f"{base}.out",
-                    "err": f"{base}.err",
-                }
-            )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(jobs) + "\n")
-        self.proc.stdin.flush()
-        codes = json.loads(self._line(50))
-        return [
-            Done(job["args"], code, Path(job["out"]).read_text(), Path(job["err"]).read_text())
-            for job, code in zip(jobs, codes, strict=True)
-        ]
-
-    def close(self) -> None:
-        kill_tree(self.proc.pid, groups=(self.proc.pid,))
-        self.proc.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
-    forks = ForkedCli(tmp_path_factory.mktemp("cli_forks"))
-    yield forks
-    forks.close()
-    # an import that prints (a warning) would reach each real command's stderr
-    assert forks.err.read_text() == "", forks.err.read_text()[-4000:]
 
 
 def one_line(out: Done, *expected: str, secrets: tuple[str, ...] = ()) -> str:
@@ -231,11 +170,12 @@ def test_report_on_what_is_not_a_run_directory(local: Path, cli: ForkedCli) -> N
 
 
 # ---------------------------------------------------------------------- --help
-def test_every_help_exits_0() -> None:
+def test_every_help_exits_0(cli: ForkedCli) -> None:
+    """`resilient --help` in a fresh interpreter (the entry point as a user starts it); each
+    command's help forked (`run --help` alone imports torch: the launcher's parser)."""
     commands = ["", "run", "check-resume", "ls", "verify", "report", "export"]
-    for command, out in zip(
-        commands, real_cli(*([c, "--help"] if c else ["--help"] for c in commands)), strict=True
-    ):
+    helps = [*real_cli(["--help"]), *cli(*([c, "--help"] for c in commands[1:]))]
+    for command, out in zip(commands, helps, strict=True):
         told = f"resilient {command} --help: rc={out.returncode}\n{out.stderr[-3000:]}"
         assert out.returncode == 0, told
         assert "Traceback" not in out.stderr, told

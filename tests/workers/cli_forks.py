@@ -6,8 +6,8 @@ it forks a child that is the command: stdin from /dev/null, stdout and stderr in
 named, the environment and working directory given, `resilient.cli` run as `__main__`
 (as `-m` runs it), its exit handlers, and its exit code, as the interpreter would give it.
 The children of one request line run side by side; the answer is one JSON line of their exit
-codes, in order. tests/test_cli_errors.py checks every command's output as before; this
-file only spares it an interpreter start and a torch import per command.
+codes, in order. The tests (conftest.py's forked_cli) check every command's output as they
+did with a fresh interpreter; this only spares each command its start and its torch import.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch  # noqa: F401
 
 import resilient.checkpoint.manager
 import resilient.report
+import resilient.supervisor.launcher
 import resilient.weights.export  # noqa: F401
 
 
