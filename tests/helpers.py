@@ -113,13 +113,17 @@ def start(cmd: list[str], log: Path, *, env: dict[str, str] | None = None) -> Ru
 # ---------------------------------------------------------------------- the CLI, forked
 class ForkedCli:
     """`resilient COMMAND` for each command, side by side, forked from one process that has
-    imported the CLI and torch (tests/workers/cli_forks.py); results in order."""
+    imported the CLI and torch (tests/workers/cli_forks.py); results in order. A call cut
+    short (its timeout, or the test's) ends that process; the next call starts another."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.err = tmp / "forks.stderr"
         self.calls = 0
-        with self.err.open("w") as err:
+        self.proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        with self.err.open("a") as err:
             self.proc = spawn(
                 [sys.executable, str(WORKERS / "cli_forks.py")],
                 stdin=subprocess.PIPE,
@@ -128,15 +132,15 @@ class ForkedCli:
                 text=True,
                 cwd=REPO_ROOT,
             )
-        assert self._line(120) == "ready", self.err.read_text()[-4000:]
+        assert self._line(self.proc, 120) == "ready", self.err.read_text()[-4000:]
+        return self.proc
 
-    def _line(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+    def _line(self, proc: subprocess.Popen[str], timeout: float) -> str:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
         if not ready:
-            self.close()
             pytest.fail(f"the CLI's forks gave no answer in {timeout} s")
-        return self.proc.stdout.readline().strip()
+        return proc.stdout.readline().strip()
 
     def __call__(
         self, *commands: list[str], env: dict[str, str] | None = None, timeout: float = 50
@@ -154,10 +158,15 @@ class ForkedCli:
                     "err": f"{base}.err",
                 }
             )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(jobs) + "\n")
-        self.proc.stdin.flush()
-        codes = json.loads(self._line(timeout))
+        try:
+            proc = self.proc or self._start()
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(jobs) + "\n")
+            proc.stdin.flush()
+            codes = json.loads(self._line(proc, timeout))
+        except BaseException:
+            self.close()  # its answer would come to the next call
+            raise
         return [
             subprocess.CompletedProcess(
                 job["args"], code, Path(job["out"]).read_text(), Path(job["err"]).read_text()
@@ -166,8 +175,10 @@ class ForkedCli:
         ]
 
     def close(self) -> None:
-        kill_tree(self.proc.pid, groups=(self.proc.pid,))
-        self.proc.wait(timeout=10)
+        if self.proc is not None:
+            kill_tree(self.proc.pid, groups=(self.proc.pid,))
+            self.proc.wait(timeout=10)
+            self.proc = None
 
 
 # ---------------------------------------------------------------------- `resilient run`
