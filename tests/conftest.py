@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import WORKERS, Launcher, Result, free_port
+from helpers import WORKERS, ForkedCli, Launcher, Result, free_port, guarded_golden_run
 
 from resilient import log
 from resilient.events import read_events
@@ -66,6 +66,35 @@ def python_proc(launcher: Launcher) -> Callable[..., Result]:
         return launcher.run([sys.executable, str(_script(script)), *args], timeout=timeout, env=env)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def forked_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
+    """`forked_cli(*commands, env=None, timeout=50)`: `resilient COMMAND` for each command,
+    each in a process of its own, forked from one that imported torch and the CLI's code
+    once for the session (tests/workers/cli_forks.py); CompletedProcess results in order."""
+    forks = ForkedCli(tmp_path_factory.mktemp("cli_forks"))
+    yield forks
+    forks.close()
+    # an import that prints (a warning) would reach each real command's stderr
+    assert forks.err.read_text() == "", forks.err.read_text()[-4000:]
+
+
+@pytest.fixture(scope="session")
+def guarded_golden(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """`guarded_golden(nproc, fsdp=False)`: the digest of the guarded worker's fault-free run
+    (helpers.guarded_golden_run), run once for the session: tests/test_hot.py and
+    tests/test_rollback.py compare their faulty runs with the same ones."""
+    digests: dict[tuple[int, bool], str] = {}
+
+    def get(nproc: int, fsdp: bool = False) -> str:
+        key = (nproc, fsdp)
+        if key not in digests:
+            out = tmp_path_factory.mktemp(f"guarded_golden{nproc}{'_fsdp' if fsdp else ''}")
+            digests[key] = guarded_golden_run(out, nproc, fsdp=fsdp)
+        return digests[key]
+
+    return get
 
 
 def _script(script: str | Path) -> Path:

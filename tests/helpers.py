@@ -14,6 +14,8 @@ Test modules import from here (and fixtures come from conftest.py), never from e
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +29,20 @@ from resilient.events import read_events
 from resilient.proctree import alive, kill_tree
 
 __all__ = [
+    "GUARDED_STEPS",
+    "GUARDED_WATCHDOG",
     "GUARDED_WORKER",
     "HANG_WATCHDOG",
     "RANKS_WAIT_S",
     "REPO_ROOT",
     "SUPERVISED_WORKER",
     "WORKERS",
+    "ForkedCli",
     "Launcher",
     "Result",
     "exit_events",
     "free_port",
+    "guarded_golden_run",
     "kill_tree",
     "last_by_step",
     "launch_ranks",
@@ -56,6 +62,10 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 SUPERVISED_WORKER = WORKERS / "supervised_train.py"
 """Appends one JSON line per completed step to <record>/rank<R>.jsonl (`records`)."""
 GUARDED_WORKER = "tests/workers/guarded_train.py"
+GUARDED_STEPS = 10
+"""The guarded worker's schedule in tests/test_hot.py and tests/test_rollback.py, whose
+fault-free runs are one per world size and model wrapper for the session (`guarded_golden`)."""
+GUARDED_WATCHDOG = {"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5.0, "timeout_s": 20.0}
 
 Result = tuple[int, str, str]
 
@@ -100,10 +110,103 @@ def start(cmd: list[str], log: Path, *, env: dict[str, str] | None = None) -> Ru
     return Run(cmd, log_path=log, env=env)
 
 
+# ---------------------------------------------------------------------- the CLI, forked
+class ForkedCli:
+    """`resilient COMMAND` for each command, side by side, forked from one process that has
+    imported the CLI and torch (tests/workers/cli_forks.py); results in order. A call cut
+    short (its timeout, or the test's) ends that process; the next call starts another."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.err = tmp / "forks.stderr"
+        self.calls = 0
+        self.proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        with self.err.open("a") as err:
+            self.proc = spawn(
+                [sys.executable, str(WORKERS / "cli_forks.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=REPO_ROOT,
+            )
+        assert self._line(self.proc, 120) == "ready", self.err.read_text()[-4000:]
+        return self.proc
+
+    def _line(self, proc: subprocess.Popen[str], timeout: float) -> str:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            pytest.fail(f"the CLI's forks gave no answer in {timeout} s")
+        return proc.stdout.readline().strip()
+
+    def __call__(
+        self, *commands: list[str], env: dict[str, str] | None = None, timeout: float = 50
+    ) -> list[subprocess.CompletedProcess[str]]:
+        self.calls += 1
+        jobs = []
+        for i, args in enumerate(commands):
+            base = self.tmp / f"call{self.calls}-{i}"
+            jobs.append(
+                {
+                    "args": args,
+                    "env": dict(os.environ) if env is None else env,
+                    "cwd": str(REPO_ROOT),
+                    "out": f"{base}.out",
+                    "err": f"{base}.err",
+                }
+            )
+        try:
+            proc = self.proc or self._start()
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(jobs) + "\n")
+            proc.stdin.flush()
+            codes = json.loads(self._line(proc, timeout))
+        except BaseException:
+            self.close()  # its answer would come to the next call
+            raise
+        return [
+            subprocess.CompletedProcess(
+                job["args"], code, Path(job["out"]).read_text(), Path(job["err"]).read_text()
+            )
+            for job, code in zip(jobs, codes, strict=True)
+        ]
+
+    def close(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc.pid, groups=(self.proc.pid,))
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
 # ---------------------------------------------------------------------- `resilient run`
 def run_cmd(*args: str) -> list[str]:
     """`python -m resilient.cli run ARGS` as an argv list."""
     return [sys.executable, "-m", "resilient.cli", "run", *args]
+
+
+def guarded_golden_run(out: Path, nproc: int, *, fsdp: bool) -> str:
+    """The guarded worker's fault-free run (micro-batches, GUARDED_STEPS, no snapshots) under
+    `resilient run` on `nproc` ranks; returns its final digest. The session runs it once per
+    (nproc, fsdp): conftest.py's `guarded_golden`."""
+    argv = ["--nproc-per-node", str(nproc), "--run-dir", str(out / "run")]
+    argv += ["--monitor-interval", "0.05", GUARDED_WORKER]
+    argv += ["--mode", "micro", "--steps", str(GUARDED_STEPS), "--workers", "0"]
+    argv += [*(["--fsdp"] if fsdp else []), "--ckpt-dir", str(out / "ckpt")]
+    argv += ["--run-dir", str(out / "run")]
+    env = {"RESILIENT_WATCHDOG": json.dumps(GUARDED_WATCHDOG)}
+    launcher = Launcher()
+    try:
+        code, _, err = launcher.run(run_cmd(*argv), timeout=150, env=env)
+    finally:
+        launcher.close()
+    assert code == 0, err[-3000:]
+    pids = {int(e["pid"]) for e in run_events(out / "run", "runtime.init")}
+    left = [p for p in pids if alive(p)]
+    assert not left, f"processes left behind: {left}"
+    return str(json.loads((out / "run" / "final_digest.json").read_text())["digest"])
 
 
 def records(record_dir: Path) -> list[dict[str, Any]]:

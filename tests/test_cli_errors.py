@@ -1,10 +1,13 @@
 """`resilient` as a new user meets it: a location it cannot use is one line, never a traceback.
 
-The real command in subprocesses (a test's commands run side by side: each start imports
-torch). Each must exit 2 with exactly one line on stderr that names the location and the fix,
-and no credential anywhere in its output. S3 cases talk to moto's server on 127.0.0.1
-(tests/s3_fixtures.py): AWS_ENDPOINT_URL points there, the AWS config files and the
-instance-metadata lookup are switched off.
+The real command, each in a process of its own (a test's commands run side by side). Each
+must exit 2 with exactly one line on stderr that names the location and the fix, and no
+credential anywhere in its output. A command's start imports torch (seconds, and minutes
+for all of them on a loaded machine): `python -m resilient.cli` is forked from one process
+that imported it once (tests/workers/cli_forks.py), which must itself print nothing on
+stderr; `resilient --help` starts a fresh interpreter. S3 cases talk to moto's
+server on 127.0.0.1 (tests/s3_fixtures.py): AWS_ENDPOINT_URL points there, the AWS config
+files and the instance-metadata lookup are switched off.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from helpers import ForkedCli
 
 if TYPE_CHECKING:  # imported by pytest as a plugin (see tests/test_s3.py)
     from s3_fixtures import S3Env
 
 pytest_plugins = ["s3_fixtures"]  # moto_endpoint, s3
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)  # the first test waits for the forks' imports
 
 REPO = Path(__file__).resolve().parent.parent
 CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
@@ -30,15 +34,20 @@ URL_KEY, URL_SECRET = "AKIDINTHEURLONLY9X3", "urlOnlySecret/Qp7Lm2Wv"
 Done = subprocess.CompletedProcess[str]
 
 
-def cli(*commands: list[str], env: dict[str, str] | None = None) -> list[Done]:
-    """`resilient COMMAND` for each command, side by side; their results in order."""
+@pytest.fixture
+def cli(forked_cli: ForkedCli) -> ForkedCli:
+    return forked_cli
+
+
+def real_cli(*commands: list[str]) -> list[Done]:
+    """`python -m resilient.cli COMMAND` for each command in a fresh interpreter, side by side;
+    results in order."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "resilient.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=dict(os.environ) if env is None else env,
             cwd=REPO,
         )
         for args in commands
@@ -88,7 +97,7 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---------------------------------------------------------------------- S3
-def test_no_credentials(s3: S3Env, tmp_path: Path) -> None:
+def test_no_credentials(s3: S3Env, tmp_path: Path, cli: ForkedCli) -> None:
     url = "s3://no-such-bucket/run"
     env = {k: v for k, v in os.environ.items() if k not in CREDENTIAL_VARS}
     dst = tmp_path / "out"
@@ -97,7 +106,9 @@ def test_no_credentials(s3: S3Env, tmp_path: Path) -> None:
     assert not dst.exists()
 
 
-def test_missing_bucket_and_credentials_in_the_url(s3: S3Env, tmp_path: Path) -> None:
+def test_missing_bucket_and_credentials_in_the_url(
+    s3: S3Env, tmp_path: Path, cli: ForkedCli
+) -> None:
     url = "s3://no-such-bucket-for-the-cli/run"
     missing, exported, in_url = cli(
         ["ls", url],
@@ -112,7 +123,7 @@ def test_missing_bucket_and_credentials_in_the_url(s3: S3Env, tmp_path: Path) ->
     one_line(in_url, f"s3://***@{s3.bucket}/run", "never in the URL", secrets=s3.secrets)
 
 
-def test_not_a_checkpoint_and_missing_step_on_s3(s3: S3Env) -> None:
+def test_not_a_checkpoint_and_missing_step_on_s3(s3: S3Env, cli: ForkedCli) -> None:
     for n in (4, 8):
         s3.fs.pipe_file(f"{s3.bucket}/run/step_{n:09d}/manifest.json", b"{}")
     s3.fs.pipe_file(f"{s3.bucket}/other/notes.txt", b"not a checkpoint")
@@ -122,7 +133,7 @@ def test_not_a_checkpoint_and_missing_step_on_s3(s3: S3Env) -> None:
 
 
 # ---------------------------------------------------------------------- local
-def test_not_a_checkpoint_location_or_nothing_there(local: Path) -> None:
+def test_not_a_checkpoint_location_or_nothing_there(local: Path, cli: ForkedCli) -> None:
     other, missing = str(local / "other"), str(local / "no-such-dir")
     ls, export, verify = cli(
         ["ls", other], ["export", other, "--to", str(local / "out")], ["verify", missing]
@@ -132,7 +143,7 @@ def test_not_a_checkpoint_location_or_nothing_there(local: Path) -> None:
     one_line(verify, missing, "nothing at this location", "checkpoint_dir")
 
 
-def test_a_step_that_is_not_there(local: Path) -> None:
+def test_a_step_that_is_not_there(local: Path, cli: ForkedCli) -> None:
     where = str(local / "ckpt")
     verify, export, unfinished = cli(
         ["verify", where, "--step", "7"],
@@ -145,7 +156,7 @@ def test_a_step_that_is_not_there(local: Path) -> None:
     assert "did not finish" in line
 
 
-def test_report_on_what_is_not_a_run_directory(local: Path) -> None:
+def test_report_on_what_is_not_a_run_directory(local: Path, cli: ForkedCli) -> None:
     cases = {
         str(local / "ckpt"): "not a run directory",  # a checkpoint location: no logs/
         str(local / "no-such-run"): "no such run directory",
@@ -159,11 +170,12 @@ def test_report_on_what_is_not_a_run_directory(local: Path) -> None:
 
 
 # ---------------------------------------------------------------------- --help
-def test_every_help_exits_0() -> None:
+def test_every_help_exits_0(cli: ForkedCli) -> None:
+    """`resilient --help` in a fresh interpreter (the entry point as a user starts it); each
+    command's help forked (`run --help` alone imports torch: the launcher's parser)."""
     commands = ["", "run", "check-resume", "ls", "verify", "report", "export"]
-    for command, out in zip(
-        commands, cli(*([c, "--help"] if c else ["--help"] for c in commands)), strict=True
-    ):
+    helps = [*real_cli(["--help"]), *cli(*([c, "--help"] for c in commands[1:]))]
+    for command, out in zip(commands, helps, strict=True):
         told = f"resilient {command} --help: rc={out.returncode}\n{out.stderr[-3000:]}"
         assert out.returncode == 0, told
         assert "Traceback" not in out.stderr, told

@@ -1,20 +1,19 @@
 """The node gate of `resilient run` (resilient/supervisor/gate.py): the straggler score the
 watchdog logs, the eviction rule over it, the health checks' verdict before the first round,
-and the operability flags' bad input."""
+and the operability flags' bad input. `resilient run` stopped by its gate is forked from the
+session's process that imported the CLI once (conftest.py's forked_cli)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import socket
-import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from helpers import run_events
+from helpers import ForkedCli, run_events
 
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
@@ -134,15 +133,16 @@ def test_bad_operability_flags_are_usage_errors_that_say_what_to_fix(
 
 
 @pytest.mark.timeout(60)
-def test_a_metrics_port_in_use_stops_the_run_before_anything_starts(tmp_path: Path) -> None:
+def test_a_metrics_port_in_use_stops_the_run_before_anything_starts(
+    tmp_path: Path, forked_cli: ForkedCli
+) -> None:
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "resilient.cli", "run", "--standalone",
-             f"--run-dir={tmp_path / 'run'}", f"--metrics-port={port}", RECIPE],
-            capture_output=True, text=True, timeout=50,
+        (out,) = forked_cli(
+            ["run", "--standalone", f"--run-dir={tmp_path / 'run'}", f"--metrics-port={port}",
+             RECIPE],
         )  # fmt: skip
     assert out.returncode == ExitCode.USAGE
     assert f"--metrics-port {port}: the port is in use" in out.stderr
@@ -151,13 +151,13 @@ def test_a_metrics_port_in_use_stops_the_run_before_anything_starts(tmp_path: Pa
 
 @pytest.mark.timeout(90)
 def test_a_node_failing_its_own_check_at_the_start_exits_excluded_and_says_why(
-    tmp_path: Path,
+    tmp_path: Path, forked_cli: ForkedCli
 ) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "resilient.cli", "run", "--standalone", "--nproc-per-node=1",
-         f"--run-dir={tmp_path / 'run'}", "--status=off",
-         "--health-check=sh -c 'echo disk is sad >&2; exit 3'", RECIPE, "--steps=2"],
-        capture_output=True, text=True, timeout=80,
+    (out,) = forked_cli(
+        ["run", "--standalone", "--nproc-per-node=1", f"--run-dir={tmp_path / 'run'}",
+         "--status=off", "--health-check=sh -c 'echo disk is sad >&2; exit 3'", RECIPE,
+         "--steps=2"],
+        timeout=80,
     )  # fmt: skip
     assert out.returncode == ExitCode.NODE_EXCLUDED, out.stderr[-3000:]
     assert "health check user_command failed" in out.stderr and "disk is sad" in out.stderr
@@ -167,13 +167,15 @@ def test_a_node_failing_its_own_check_at_the_start_exits_excluded_and_says_why(
 
 
 @pytest.mark.timeout(90)
-def test_a_hanging_health_check_times_out_before_anything_starts(tmp_path: Path) -> None:
+def test_a_hanging_health_check_times_out_before_anything_starts(
+    tmp_path: Path, forked_cli: ForkedCli
+) -> None:
     t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "resilient.cli", "run", "--standalone", "--nproc-per-node=1",
-         f"--run-dir={tmp_path / 'run'}", "--status=off", "--health-check=sleep 60",
-         "--health-check-timeout=1", RECIPE, "--steps=2"],
-        capture_output=True, text=True, timeout=80,
+    (out,) = forked_cli(
+        ["run", "--standalone", "--nproc-per-node=1", f"--run-dir={tmp_path / 'run'}",
+         "--status=off", "--health-check=sleep 60", "--health-check-timeout=1", RECIPE,
+         "--steps=2"],
+        timeout=80,
     )  # fmt: skip
     assert out.returncode == ExitCode.NODE_EXCLUDED, out.stderr[-3000:]
     assert time.monotonic() - t0 < 30

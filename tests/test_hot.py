@@ -12,11 +12,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import GUARDED_WORKER, Launcher, run_cmd, run_events
+from helpers import (
+    GUARDED_STEPS,
+    GUARDED_WATCHDOG,
+    GUARDED_WORKER,
+    Launcher,
+    run_cmd,
+    run_events,
+)
 
 from chaos.netns import Hosts, netns_unavailable
 from chaos.observe import _epoch
@@ -26,8 +34,8 @@ from resilient.proctree import alive, kill_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-WATCHDOG = {"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5.0, "timeout_s": 20.0}
-STEPS = 10
+WATCHDOG = GUARDED_WATCHDOG
+STEPS = GUARDED_STEPS  # the session's fault-free runs (conftest.py's guarded_golden)
 
 
 def _run(
@@ -82,27 +90,15 @@ def _inits(out: Path) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def golden(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """Fault-free digests on 2 and 3 ranks (no hot recovery, no snapshots)."""
-    digests = {}
-    for n in (2, 3):
-        out = tmp_path_factory.mktemp(f"golden{n}")
-        code, err = _run(out, n, [])
-        assert code == 0, err[-3000:]
-        digests[n] = _digest(out)
-    return digests
+def golden(guarded_golden: Callable[..., str]) -> dict[int, str]:
+    """Fault-free digests on 2 and 3 ranks (no hot recovery, no snapshots), the session's."""
+    return {n: guarded_golden(n) for n in (2, 3)}
 
 
 @pytest.fixture(scope="module")
-def golden_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+def golden_fsdp(guarded_golden: Callable[..., str]) -> dict[int, str]:
     """The same with FSDP2 (each rank holds only its shards)."""
-    digests = {}
-    for n in (2, 3):
-        out = tmp_path_factory.mktemp(f"golden_fsdp{n}")
-        code, err = _run(out, n, [], worker=("--fsdp",))
-        assert code == 0, err[-3000:]
-        digests[n] = _digest(out)
-    return digests
+    return {n: guarded_golden(n, fsdp=True) for n in (2, 3)}
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])

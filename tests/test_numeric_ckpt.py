@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import Launcher, run_cmd, run_events
+from helpers import ForkedCli, Launcher, run_cmd, run_events
 from trainee import Trainee
 
 from resilient import CheckpointConfig, CheckpointError, CheckpointManager
@@ -46,16 +44,6 @@ def saved(mgr: CheckpointManager, t: Trainee, step: int) -> None:
     t.train(1, seed=step)
     mgr.save(t.state(), step)
     mgr.wait()
-
-
-def ls(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "resilient.cli", "ls", str(root)],
-        capture_output=True,
-        text=True,
-        timeout=50,
-        cwd=REPO,
-    )
 
 
 # ---------------------------------------------------------------------- the check
@@ -211,7 +199,7 @@ def test_two_tiers_record_the_fault_in_both(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- resilient ls
 def test_ls_shows_good_after_fault_and_unknown(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], forked_cli: ForkedCli
 ) -> None:
     root = tmp_path / "ckpt"
     t = Trainee(0)
@@ -228,7 +216,7 @@ def test_ls_shows_good_after_fault_and_unknown(
     saved(mgr, t, 6)
     mgr.close()
     (root / step_dir(9)).mkdir()  # an unfinished save
-    out = ls(root)
+    (out,) = forked_cli(["ls", str(root)])  # the command, in a process of its own
     assert out.returncode == 0, out.stderr
     header, *rows, footer = out.stdout.splitlines()
     assert header.split()[:6] == ["step", "state", "bytes", "world", "numeric", "written"]

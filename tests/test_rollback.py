@@ -3,17 +3,19 @@ in-memory snapshot, no process lost, and the run ends bitwise equal to a fault-f
 
 Two real gloo ranks running tests/workers/guarded_train.py with DDP micro-batches (the
 guard's in-place agreement); the exception comes from chaos.inject. The fault-free run has
-snapshots off, so the comparison also shows that taking them changes nothing.
+snapshots off, so the comparison also shows that taking them changes nothing; it is the
+session's (conftest.py's guarded_golden), shared with tests/test_hot.py.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_no_process_left
+from helpers import GUARDED_STEPS, GUARDED_WATCHDOG, assert_no_process_left
 
 from chaos.procs import events
 from chaos.ranks import Ranks
@@ -22,12 +24,12 @@ from resilient.exitcodes import ExitCode
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 WORKER = "tests/workers/guarded_train.py"
-WATCHDOG = {"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5.0, "timeout_s": 20.0}
+WATCHDOG = GUARDED_WATCHDOG
 
 
 def _run(out: Path, faults: list[str], *, snapshot: bool, every: int | None = 1) -> list[int]:
     argv = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--", WORKER]
-    argv += ["--mode", "micro", "--steps", "8", "--workers", "0"]
+    argv += ["--mode", "micro", "--steps", str(GUARDED_STEPS), "--workers", "0"]
     argv += ["--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run")]
     env = {
         "RESILIENT_WATCHDOG": json.dumps(WATCHDOG),
@@ -51,10 +53,10 @@ def _digest(out: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def golden(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("golden")
-    assert _run(out, [], snapshot=False) == [0, 0]
-    return _digest(out)
+def golden(guarded_golden: Callable[..., str]) -> str:
+    """The session's fault-free run on 2 ranks (under `resilient run`, snapshots off), which
+    tests/test_hot.py compares with too: the same worker, schedule and bits."""
+    return guarded_golden(2)
 
 
 def test_an_exception_rolls_every_rank_back_in_place_bit_exact(golden: str, tmp_path: Path):

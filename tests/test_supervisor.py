@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import tenacity
-from helpers import SUPERVISED_WORKER, Launcher, last_by_step, records, run_cmd, run_events
+from helpers import (
+    SUPERVISED_WORKER,
+    ForkedCli,
+    Launcher,
+    last_by_step,
+    records,
+    run_cmd,
+    run_events,
+)
 
 from resilient.backoff import ExponentialJitter
 from resilient.errors import ConfigError
@@ -234,16 +242,14 @@ def test_unknown_flag_exits_with_usage_code(tmp_path: Path, capsys: pytest.Captu
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # run alone, it also waits for forked_cli's imports
 def test_cli_refuses_a_missing_script_before_starting_anything(
-    tmp_path: Path, launcher: Launcher
+    tmp_path: Path, forked_cli: ForkedCli
 ) -> None:
     run_dir = tmp_path / "run"
-    code, _, err = launcher.run(
-        run_cmd("--nproc-per-node", "2", "--run-dir", str(run_dir), "nope.py"), timeout=50
-    )
-    assert code == ExitCode.USAGE
-    assert "training script 'nope.py' does not exist" in err
+    (out,) = forked_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), "nope.py"])
+    assert out.returncode == ExitCode.USAGE
+    assert "training script 'nope.py' does not exist" in out.stderr
     assert not run_dir.exists()  # no half-started group, no run directory
 
 
