@@ -16,6 +16,7 @@ from resilient.hang.heartbeat import Detection, RankStatus
 from resilient.hang.verdict import hot_eligible, judge, spares
 from resilient.hot.reform import judge_roll_call
 from resilient.hot.restore import plan_restore
+from resilient.mesh import MeshLayout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,6 +92,42 @@ def test_a_sharded_replacement_is_sent_its_whole_state_by_its_buddy() -> None:
     ]
     plan = plan_restore(every)
     assert plan.target == 8 and plan.sharded and plan.source == {2: 0} and plan.part_from == {}
+
+
+def _hsdp(lost: set[int], *, ward_steps: list[int] | None = None) -> list[dict[str, object]]:
+    """A 2 x 2 HSDP mesh (replicate peers {0, 2} and {1, 3}; each one's buddy is its peer,
+    which keeps only its per-rank part) with the ranks in `lost` replaced."""
+    layout = MeshLayout.build(("dp_replicate", "dp_shard"), (2, 2), range(4), world_size=4)
+    every: list[dict[str, object]] = []
+    for r in range(4):
+        peers = layout.replicas(r)
+        ward = next(p for p in peers if p != r)
+        m = (
+            _replacement()
+            if r in lost
+            else _survivor([4, 5], ward=ward, ward_steps=ward_steps or [4, 5], sharded=True)
+        )
+        every.append({**m, "peers": peers})
+    return every
+
+
+def test_an_hsdp_replacement_takes_its_shards_from_a_replicate_peers_own_snapshot() -> None:
+    plan = plan_restore(_hsdp({3}))
+    assert plan.target == 5 and plan.sharded and plan.peered == {3}
+    assert plan.source == {3: 1} and plan.part_from == {3: 1} and not plan.whole(3)
+
+
+def test_hsdp_survives_a_whole_replica_lost_but_not_both_copies_of_a_shard() -> None:
+    plan = plan_restore(_hsdp({2, 3}))  # replicate coordinate 1 gone: 0 and 1 hold its shards
+    assert plan.target == 5 and plan.source == {2: 0, 3: 1}
+    plan = plan_restore(_hsdp({1, 3}))  # both copies of one shard
+    assert plan.target is None and plan.source == {1: -1, 3: -1}
+    assert plan.why_not == "no replicate peer of rank(s) [1, 3] survived: their shards are gone"
+
+
+def test_an_hsdp_replacement_goes_back_to_the_step_its_part_reached_its_peer() -> None:
+    plan = plan_restore(_hsdp({3}, ward_steps=[4]))  # step 5's part was on its way
+    assert plan.target == 4
 
 
 # ---------------------------------------------------------------- the roll call

@@ -251,7 +251,7 @@ class Runtime(Loops):
             per_rank=per_rank,
             layout=self.layout.signature(),
         )
-        self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
+        self.snapshots.track(self.state, self.layout)  # ConfigError when the copies do not fit
         if model is not None and self.config.pin_ddp_buckets:
             wiring.pin_ddp_buckets(model, self.log)
         for h in self._hooks:
