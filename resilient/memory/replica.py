@@ -203,8 +203,6 @@ class BuddyReplicas:
         """This rank's replicate peers (itself included, set before the first exchange) when
         they hold its shards (HSDP): the buddy is the next of them, the ward the one before,
         and only the per-rank part crosses. None: placed by host (memory/placement.py)."""
-        self.part_bytes = 0
-        """Bytes of the last replica received (the ward's part, or its whole snapshot)."""
         self._buf: list[dict[str, Any] | None] = [None, None]
         self._steps = [-1, -1]
         self._thread: threading.Thread | None = None
@@ -313,7 +311,6 @@ class BuddyReplicas:
             *[dist.isend(t, dst=buddy, group=g) for t in mine if t.numel()],
             *[dist.irecv(t, src=ward, group=g) for t in made if t.numel()],
         )
-        self.part_bytes = len(h_in) + sum(t.numel() * t.element_size() for t in made)
         return theirs
 
     def held(self) -> dict[int, dict[str, Any]]:

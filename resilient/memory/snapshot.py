@@ -336,7 +336,7 @@ class Snapshots:
         self.copy_s = time.perf_counter() - t0
         self.measured.copy(self.copy_s)
         if self._newest >= 0 and self.bytes and (size := _nbytes(self._buf[slot])) > self.bytes:
-            part = (self.replicas.part_bytes if self.replicas is not None else 0) or 0
+            part = _nbytes((self._buf[slot] or {}).get(key))  # the ward's is as large
             self._log.info(
                 "snapshot.memory",
                 bytes_per_copy=size,
