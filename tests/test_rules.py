@@ -258,3 +258,34 @@ def test_every_fault_point_is_hit_somewhere_in_the_runtime() -> None:
     }
     for point, const in names.items():
         assert f"faultpoints.{const}" in code, f"fault point {point} is hit nowhere"
+
+
+# ---------------------------------------------------------------- cutting a departed peer loose
+def test_sever_ends_a_wait_on_exactly_the_connections_to_the_named_endpoints() -> None:
+    """groups/sockets.py: a thread blocked reading a connection whose other end is a named
+    endpoint returns (end of stream) once it is severed; another connection is untouched."""
+    import socket
+    import threading
+
+    from resilient.groups import sockets
+
+    server = socket.create_server(("127.0.0.1", 0))
+    peers = [socket.create_connection(server.getsockname()) for _ in range(2)]
+    accepted = [server.accept()[0] for _ in range(2)]
+    try:
+        ends = {s.getsockname() for s in peers}
+        assert ends <= set(sockets.endpoints())  # this process's own established ends
+        got: list[bytes] = []
+        by_peer = {a.getpeername(): a for a in accepted}
+        waiting = by_peer[peers[0].getsockname()]
+        reader = threading.Thread(target=lambda: got.append(waiting.recv(1)))
+        reader.start()
+        assert sockets.sever({peers[0].getsockname()}) == 1
+        reader.join(timeout=5)
+        assert got == [b""]  # the wait ended
+        other = by_peer[peers[1].getsockname()]
+        peers[1].sendall(b"x")
+        assert other.recv(1) == b"x"  # the other connection still works
+    finally:
+        for s in [*peers, *accepted, server]:
+            s.close()
