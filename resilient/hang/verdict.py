@@ -196,11 +196,10 @@ class Verdicts:
         self._log.warning(ev.RECOVERY_HOT_AWAIT, ranks=v.get("ranks"), decided_by=v.get("by"))
         if self._await_main(self.hot.wait_s):  # the main thread met the loss and went hot
             return
-        self._log.error(
-            ev.RECOVERY_COLD,
-            reason=f"the main thread did not meet rank {v.get('ranks')}'s loss "
-            f"in {self.hot.wait_s:g} s",
-        )
+        why = f"the main thread did not meet rank {v.get('ranks')}'s loss in {self.hot.wait_s:g} s"
+        self._log.error(ev.RECOVERY_COLD, reason=why)
+        with contextlib.suppress(OSError):  # where it waited instead
+            self.dump_stacks(why)
         hard_exit(code)
 
     def _await_main(self, timeout: float) -> bool:
