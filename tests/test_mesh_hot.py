@@ -27,7 +27,7 @@ from helpers import Launcher, run_cmd, run_events
 
 from resilient.proctree import alive
 
-# the fixture makes two launches inside the first test's timeout
+# a test may make the fault-free launch of its mesh as well as its own
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 WORKER = "tests/workers/mesh_train.py"
@@ -71,10 +71,22 @@ def _run(
     return str(json.loads((out / "rec" / "final.json").read_text())["digest"])
 
 
+class _Golden(dict):  # type: ignore[type-arg]
+    """Fault-free digests by mesh, each run once, when a test first asks for it."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self._factory = factory
+
+    def __missing__(self, mesh: tuple[int, int, int]) -> str:
+        self[mesh] = _run(self._factory.mktemp("golden" + "".join(map(str, mesh))), mesh)
+        return str(self[mesh])
+
+
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], str]:
-    """Fault-free digests of both meshes (no hot recovery, no snapshots)."""
-    return {m: _run(tmp_path_factory.mktemp(f"golden{m[0]}{m[2]}"), m) for m in (HSDP, DP_TP)}
+    """Fault-free digests of the meshes (no hot recovery, no snapshots), shared."""
+    return _Golden(tmp_path_factory)
 
 
 def _hot_formed(out: Path) -> dict[int, dict[str, Any]]:
@@ -134,9 +146,14 @@ def test_a_nan_on_one_tp_rank_is_agreed_by_the_whole_dp_x_tp_mesh(
     golden: dict[tuple[int, int, int], str], tmp_path: Path
 ) -> None:
     """The non-finite check's agreement spans every rank, tp peers included: a NaN loss on
-    rank 3 alone is one fault, named the same by all four ranks, and one cold restart."""
+    rank 3 alone is one fault, the same on all four ranks (its NaN gradients reach every
+    rank through the tp and dp reductions; the origin is rank 3, whose own loss was bad),
+    and one cold restart."""
     digest = _run(tmp_path, DP_TP, ["nan@rank=3,step=6,phase=forward"], restarts=1)
     assert digest == golden[DP_TP]
     faults = {int(e["rank"]): e for e in run_events(tmp_path / "run", "numeric.fault")}
     assert sorted(faults) == [0, 1, 2, 3], faults
-    assert {(e["step"], tuple(e["ranks"])) for e in faults.values()} == {(6, (3,))}
+    agreed = {json.dumps([e["step"], e["ranks"], e["origin"], e["seen"]]) for e in faults.values()}
+    assert len(agreed) == 1, faults  # one fault, agreed
+    assert (faults[0]["step"], faults[0]["origin"]) == (6, [3]), faults[0]
+    assert "loss non-finite" in faults[0]["seen"]["3"], faults[0]
