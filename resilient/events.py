@@ -43,6 +43,7 @@ __all__ = [
     "RECOVERY_HOT_FORMED",
     "RECOVERY_HOT_KILL",
     "RECOVERY_HOT_REPLACE",
+    "RECOVERY_HOT_SEVER",
     "RECOVERY_HOT_SPARE",
     "RESUME_DIVERGED",
     "RESUME_UNVERIFIED",
@@ -136,6 +137,9 @@ RECOVERY_HOT_REPLACE = "recovery.hot.replace"
 RECOVERY_HOT_FORMED = "recovery.hot.formed"
 RECOVERY_HOT_KILL = "recovery.hot.kill"
 """An agent SIGKILLed its worker that a hot verdict named and that could not leave by itself."""
+RECOVERY_HOT_SEVER = "recovery.hot.sever"
+"""A rank still waiting in a collective of a generation that survivors already left cut its
+connections to them, so that its collective fails and it goes hot too (hang/departed.py)."""
 RECOVERY_HOT_SPARE = "recovery.hot.spare"
 """The agent started its next warm spare after a hot replacement (and why then)."""
 RECOVERY_COLD = "recovery.cold"

@@ -9,6 +9,8 @@ here, so the two cannot drift apart:
       .../watchdog/hb/<rank>                        heartbeats (hang/watchdog.py)
       .../watchdog/meta/<rank>                      host, pid and start time of a rank
       .../watchdog/verdict                          the group's one verdict (hang/verdict.py)
+      .../watchdog/left                             survivors that left the generation, with
+                                                    their connections' endpoints (hang/departed.py)
     resilient/attempt_<a>/hot/gen                   the newest generation the agent published
       .../hot/gen_<g>/arrived/<rank>|count|all      the roll call of generation g (hot/reform.py)
       .../hot/gen_<g>/formed|stepped|replaced       marks of generation g's progress
@@ -37,6 +39,9 @@ WATCHDOG = "watchdog"
 """Under a generation's prefix: the watchdog's keys (its own PrefixStore)."""
 VERDICT = "verdict"
 """Inside the watchdog's prefix: the group's verdict."""
+LEFT = "left"
+"""Inside the watchdog's prefix: one JSON line per survivor that left the generation for the
+next one (its rank and its connections' local endpoints), appended."""
 
 
 def round_key(restart: int | None = None) -> str:

@@ -25,7 +25,7 @@ from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.numeric.config import NumericConfig
 from resilient.numeric.detect import NumericWatch
-from resilient.numeric.replicas import odd_ranks, replica_fingerprint
+from resilient.numeric.replicas import disagreeing, odd_ranks, replica_fingerprint
 from resilient.numeric.respond import RESTART, ROLLBACK, SKIP, STOP, decide
 from resilient.runtime.config import build_config
 
@@ -51,6 +51,16 @@ def test_a_flipped_bit_changes_the_replica_fingerprint() -> None:
     assert odd_ranks([7, 7, 9]) == [2]
     assert odd_ranks([7, 9]) is None  # two ranks: no majority names one
     assert odd_ranks([7, 7, 7, 9]) == [3]
+
+
+def test_hsdp_replicas_are_compared_within_each_replicate_group() -> None:
+    # 2 x 2 HSDP: ranks {0, 2} hold one shard, {1, 3} the other; shards differ by design
+    groups = [[0, 2], [1, 3]]
+    assert disagreeing([5, 8, 5, 8], groups) == []
+    assert disagreeing([5, 8, 6, 8], groups) == [0, 2]
+    assert odd_ranks([5, 8, 6, 8], groups) is None  # two replicas: which one is unknown
+    three = [[0, 2, 4], [1, 3, 5]]  # 3 x 2: a majority in each group
+    assert odd_ranks([5, 8, 5, 9, 5, 8], three) == [3]
 
 
 def test_bad_options_say_what_is_valid(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from resilient.hang.heartbeat import Detection, RankStatus
 from resilient.hang.verdict import hot_eligible, judge, spares
 from resilient.hot.reform import judge_roll_call
 from resilient.hot.restore import plan_restore
+from resilient.mesh import MeshLayout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,6 +92,42 @@ def test_a_sharded_replacement_is_sent_its_whole_state_by_its_buddy() -> None:
     ]
     plan = plan_restore(every)
     assert plan.target == 8 and plan.sharded and plan.source == {2: 0} and plan.part_from == {}
+
+
+def _hsdp(lost: set[int], *, ward_steps: list[int] | None = None) -> list[dict[str, object]]:
+    """A 2 x 2 HSDP mesh (replicate peers {0, 2} and {1, 3}; each one's buddy is its peer,
+    which keeps only its per-rank part) with the ranks in `lost` replaced."""
+    layout = MeshLayout.build(("dp_replicate", "dp_shard"), (2, 2), range(4), world_size=4)
+    every: list[dict[str, object]] = []
+    for r in range(4):
+        peers = layout.replicas(r)
+        ward = next(p for p in peers if p != r)
+        m = (
+            _replacement()
+            if r in lost
+            else _survivor([4, 5], ward=ward, ward_steps=ward_steps or [4, 5], sharded=True)
+        )
+        every.append({**m, "peers": peers})
+    return every
+
+
+def test_an_hsdp_replacement_takes_its_shards_from_a_replicate_peers_own_snapshot() -> None:
+    plan = plan_restore(_hsdp({3}))
+    assert plan.target == 5 and plan.sharded and plan.peered == {3}
+    assert plan.source == {3: 1} and plan.part_from == {3: 1} and not plan.whole(3)
+
+
+def test_hsdp_survives_a_whole_replica_lost_but_not_both_copies_of_a_shard() -> None:
+    plan = plan_restore(_hsdp({2, 3}))  # replicate coordinate 1 gone: 0 and 1 hold its shards
+    assert plan.target == 5 and plan.source == {2: 0, 3: 1}
+    plan = plan_restore(_hsdp({1, 3}))  # both copies of one shard
+    assert plan.target is None and plan.source == {1: -1, 3: -1}
+    assert plan.why_not == "no replicate peer of rank(s) [1, 3] survived: their shards are gone"
+
+
+def test_an_hsdp_replacement_goes_back_to_the_step_its_part_reached_its_peer() -> None:
+    plan = plan_restore(_hsdp({3}, ward_steps=[4]))  # step 5's part was on its way
+    assert plan.target == 4
 
 
 # ---------------------------------------------------------------- the roll call
@@ -221,3 +258,34 @@ def test_every_fault_point_is_hit_somewhere_in_the_runtime() -> None:
     }
     for point, const in names.items():
         assert f"faultpoints.{const}" in code, f"fault point {point} is hit nowhere"
+
+
+# ---------------------------------------------------------------- cutting a departed peer loose
+def test_sever_ends_a_wait_on_exactly_the_connections_to_the_named_endpoints() -> None:
+    """groups/sockets.py: a thread blocked reading a connection whose other end is a named
+    endpoint returns (end of stream) once it is severed; another connection is untouched."""
+    import socket
+    import threading
+
+    from resilient.groups import sockets
+
+    server = socket.create_server(("127.0.0.1", 0))
+    peers = [socket.create_connection(server.getsockname()) for _ in range(2)]
+    accepted = [server.accept()[0] for _ in range(2)]
+    try:
+        ends = {s.getsockname() for s in peers}
+        assert ends <= set(sockets.endpoints())  # this process's own established ends
+        got: list[bytes] = []
+        by_peer = {a.getpeername(): a for a in accepted}
+        waiting = by_peer[peers[0].getsockname()]
+        reader = threading.Thread(target=lambda: got.append(waiting.recv(1)))
+        reader.start()
+        assert sockets.sever({peers[0].getsockname()}) == 1
+        reader.join(timeout=5)
+        assert got == [b""]  # the wait ended
+        other = by_peer[peers[1].getsockname()]
+        peers[1].sendall(b"x")
+        assert other.recv(1) == b"x"  # the other connection still works
+    finally:
+        for s in [*peers, *accepted, server]:
+            s.close()

@@ -40,6 +40,7 @@ from resilient.groups.exits import hard_exit
 from resilient.groups.groups import DistContext
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
+from resilient.hang.departed import Departures
 from resilient.hang.heartbeat import Detection, decode_beats
 from resilient.hang.phases import Phase, Progress
 
@@ -91,6 +92,7 @@ class Verdicts:
     _stop: threading.Event
     _exit_lock: threading.Lock
     _log: Any
+    _departures: Departures
 
     def verdict_pending(self) -> bool:
         if self._store is None:
@@ -192,14 +194,25 @@ class Verdicts:
             self._execute(v, won)
         code = self._take_part(v, won)
         self._log.warning(ev.RECOVERY_HOT_AWAIT, ranks=v.get("ranks"), decided_by=v.get("by"))
-        if self._stop.wait(self.hot.wait_s):  # the main thread met the loss and went hot
+        if self._await_main(self.hot.wait_s):  # the main thread met the loss and went hot
             return
-        self._log.error(
-            ev.RECOVERY_COLD,
-            reason=f"the main thread did not meet rank {v.get('ranks')}'s loss "
-            f"in {self.hot.wait_s:g} s",
-        )
+        why = f"the main thread did not meet rank {v.get('ranks')}'s loss in {self.hot.wait_s:g} s"
+        self._log.error(ev.RECOVERY_COLD, reason=why)
+        with contextlib.suppress(OSError):  # where it waited instead
+            self.dump_stacks(why)
         hard_exit(code)
+
+    def _await_main(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the main thread to go hot (it stops this thread). The
+        main thread may wait on a survivor that already left rather than on the lost rank
+        (a mesh's sub-group): cut those connections meanwhile (hang/departed.py)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._stop.wait(self.config.heartbeat_interval_s):
+                return True
+            with contextlib.suppress(*STORE_ERRORS):
+                self._departures.poll(self._store, self.progress)
+        return self._stop.is_set()
 
     def _spares(self, v: dict[str, Any]) -> bool:
         return spares(v, self.rank)

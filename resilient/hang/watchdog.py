@@ -35,6 +35,7 @@ from resilient.groups.forksafe import after_fork_in_child
 from resilient.groups.groups import DistContext
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
+from resilient.hang.departed import Departures, announce
 from resilient.hang.heartbeat import HangDetector, encode_beat, straggler_scores
 from resilient.hang.instrument import instrument
 from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase, Progress
@@ -77,6 +78,7 @@ class Watchdog(Verdicts):
         self._store_trouble_since: float | None = None
         self._scores_due = time.monotonic()
         self._log = get_logger()
+        self._departures = Departures(ctx.rank, stuck_s=2 * config.heartbeat_interval_s)
 
     @property
     def active(self) -> bool:
@@ -199,6 +201,13 @@ class Watchdog(Verdicts):
         """Hooks that move the phase without any line in the user's loop; returns handles."""
         return instrument(self.progress, model, optimizer)
 
+    def announce_departure(self) -> None:
+        """This survivor leaves the generation for the next one (hot recovery): say so, so
+        that a rank still waiting on it in a collective cuts their connections."""
+        if self._store is not None:
+            with contextlib.suppress(*STORE_ERRORS):
+                announce(self._store, self.rank, self.progress.step)
+
     def report_failure(self, *, oom: bool) -> None:
         """Mark this rank failed in its heartbeat, published at once."""
         self.progress.flags |= FLAG_FAILED | (FLAG_OOM if oom else 0)
@@ -232,6 +241,8 @@ class Watchdog(Verdicts):
         if self._store.check([storekeys.VERDICT]):
             self.carry_out(*self._read_verdict())
             return
+        if self.hot.enabled:  # survivors that left while this main thread waits on them
+            self._departures.poll(self._store, self.progress)
         assert self._detector is not None
         report = self._detector.update(self._store.multi_get(self._watch_keys))
         for s in report.stragglers:

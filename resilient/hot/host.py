@@ -13,6 +13,7 @@ from resilient.checkpoint import TrainState
 from resilient.groups.groups import DistContext
 from resilient.hang.watchdog import Watchdog
 from resilient.memory.snapshot import Snapshots
+from resilient.mesh import MeshLayout
 
 
 class RecoveryHost(Protocol):
@@ -20,6 +21,8 @@ class RecoveryHost(Protocol):
     state: TrainState
     snapshots: Snapshots
     watchdog: Watchdog
+    layout: MeshLayout
+    """The mesh by role (set at track()): whose replicate peers hold a rank's shards."""
     lost_save: int | None
     """After abandon(): the step of a durable save that lost the peer and did not commit."""
 

@@ -111,6 +111,9 @@ class HotRecovery:
         )
         if not held or self.store is None:
             self._cold("no in-memory snapshot on this rank yet" if not held else "no store")
+        # a peer may wait on this rank, not on the lost one, in a sub-group's collective (a
+        # mesh): it cuts its connections to this process (hang/departed.py)
+        host.watchdog.announce_departure()
         if not host.abandon(drain_s=DRAIN_S):
             self._cold(f"an in-flight async save or replica did not finish within {DRAIN_S:g} s")
         replicas = snaps.replicas

@@ -4,7 +4,9 @@ Each rank says what it holds (one all_gather on the control group); `plan_restor
 decides, the same way on every rank, which step to restore and where each replacement's
 state comes from. With DDP any survivor holds the replicated model and optimizer state, and
 the replacement's per-rank part (RNG, data position) is with its buddy, or in the launcher's
-store with replicas=0. With FSDP2 a replacement's shards exist only in its buddy's replica.
+store with replicas=0. Under HSDP a replacement's shards are in its replicate peers' own
+snapshots, and its per-rank part with its buddy, one of those peers. With FSDP2 alone (or
+dp x tp) a replacement's shards exist only in its buddy's replica.
 `resume` carries the plan out: point-to-point sends, then the restore into the live objects.
 """
 
@@ -49,42 +51,70 @@ class RestorePlan:
     source: dict[int, int] = field(default_factory=dict)
     """Replacement -> the survivor that sends its state (-1: none can)."""
     part_from: dict[int, int] = field(default_factory=dict)
-    """Replacement (DDP) -> the survivor holding its per-rank part."""
+    """Replacement -> the survivor holding its per-rank part (DDP, HSDP)."""
     restorable: dict[int, set[int]] = field(default_factory=dict)
     """Rank -> the snapshot steps it can restore."""
     why_not: str = ""
     """With no target: why, for the event."""
+    peered: set[int] = field(default_factory=set)
+    """Replacements whose shards come from a replicate peer's own snapshot (HSDP), not from
+    a whole replica at their buddy."""
+
+    def whole(self, rank: int) -> bool:
+        """Replacement `rank` gets its whole snapshot from the buddy's replica (FSDP2)."""
+        return self.sharded and rank not in self.peered
 
 
 def plan_restore(every: list[dict[str, Any]]) -> RestorePlan:
     """Decide from every rank's statement (rank order) what to restore. A survivor states
     `steps` (its snapshots), `sharded`, `ward` (whose replica it holds, or None) and
     `ward_steps`; a replacement states `steps` (its per-rank parts found in the store) and
-    `survivor: False`. Pure: every rank computes the same plan from the same list."""
+    `survivor: False`. Every rank may state `peers`: its replicate peers when they hold its
+    shards (HSDP), else None. Pure: every rank computes the same plan from the same list.
+
+    Where a replacement's state comes from: with DDP, the model and optimizer from any
+    survivor; under HSDP, its shards from a surviving replicate peer's own snapshot (the same
+    shards: no replica of them is kept); with FSDP2 alone (or dp x tp), everything from the
+    whole replica its buddy keeps. The per-rank part (RNG, data position) in the first two
+    from its buddy (under HSDP a replicate peer too) or, with replicas=0, the store."""
     survivors = [r for r, m in enumerate(every) if m["survivor"]]
+    alive = set(survivors)
     sharded = any(every[r]["sharded"] for r in survivors)
     source: dict[int, int] = {}
     part_from: dict[int, int] = {}
     restorable: dict[int, set[int]] = {}
+    peered: set[int] = set()
+    unpeered: list[int] = []
     for r, m in enumerate(every):
         if m["survivor"]:
             restorable[r] = set(m["steps"])
             continue
         holders = [s for s in survivors if every[s]["ward"] == r]
-        if sharded:
+        peers = m.get("peers")
+        if sharded and not peers:
             source[r] = holders[0] if holders else -1
             restorable[r] = set(every[holders[0]]["ward_steps"]) if holders else set()
+            continue
+        if peers:
+            peered.add(r)
+            alive_peers = [p for p in peers if p in alive]
+            source[r] = alive_peers[0] if alive_peers else -1
         else:
             source[r] = survivors[0] if survivors else -1
-            if holders:
-                part_from[r] = holders[0]
-            restorable[r] = set(every[holders[0]]["ward_steps"]) if holders else set(m["steps"])
+        if holders:
+            part_from[r] = holders[0]
+        restorable[r] = set(every[holders[0]]["ward_steps"]) if holders else set(m["steps"])
+        if source[r] < 0:
+            restorable[r] = set()
+            unpeered.append(r)
     common = set.intersection(*restorable.values()) if restorable else set()
     target = max(common) if common and survivors else None
     why_not = ""
     if target is None:
-        orphans = [r for r, src in source.items() if src < 0]
-        if sharded and all(every[s]["ward"] is None for s in survivors):
+        orphans = [r for r, src in source.items() if src < 0 and r not in peered]
+        if unpeered:
+            why_not = f"no replicate peer of rank(s) {unpeered} survived: their shards are gone"
+        elif sharded and orphans and all(every[s]["ward"] is None for s in survivors):
             why_not = (
                 "sharded state, and no rank keeps a replica of another's "
                 "(snapshot replicas=0): a lost rank's shards are gone"
@@ -93,7 +123,7 @@ def plan_restore(every: list[dict[str, Any]]) -> RestorePlan:
             why_not = f"the replica of rank(s) {orphans} was lost with them (their buddy too)"
         else:
             why_not = "no snapshot step every rank can restore"
-    return RestorePlan(target, survivors, sharded, source, part_from, restorable, why_not)
+    return RestorePlan(target, survivors, sharded, source, part_from, restorable, why_not, peered)
 
 
 def put_replica(store: Any, mode: HotMode, rank: int, held: dict[int, bytes]) -> None:
@@ -135,6 +165,7 @@ def resume(host: RecoveryHost, mode: HotMode) -> Resumed | None:
     else:  # the replacement; with replicas=0 its predecessor's per-rank part is in the store
         replica = _get_replica(store, mode, rank) if store is not None else {}
         mine = {"steps": sorted(replica), "survivor": False, "at": None, "lost": None}
+    mine["peers"] = host.layout.replicas(rank) if host.snapshots.peered else None
     every: list[Any] = [None] * host.world_size
     dist.all_gather_object(every, mine, group=group)
     plan = plan_restore(every)
@@ -147,19 +178,19 @@ def resume(host: RecoveryHost, mode: HotMode) -> Resumed | None:
     if carry is not None:
         sd = carry.buffers[target]
         for r, src in plan.source.items():  # point to point, to each replacement
-            if src == rank and plan.sharded:  # the ward's whole state, kept for it
+            if src == rank and plan.whole(r):  # the ward's whole state, kept for it
                 send_state(carry.replica[target], r, group)
-            elif src == rank:  # the replicated model and optimizer state
+            elif src == rank:  # the model and optimizer state (HSDP: the same shards)
                 send_state({k: v for k, v in sd.items() if not k.startswith("rank")}, r, group)
             if plan.part_from.get(r) == rank:  # and its own part, kept for it
                 dist.send_object_list([carry.replica[target][f"rank{r}"]], dst=r, group=group)
     else:
         sd = recv_state(plan.source[rank], group)
-        if not plan.sharded and rank in plan.part_from:
+        if not plan.whole(rank) and rank in plan.part_from:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=plan.part_from[rank], group=group)
             sd[f"rank{rank}"] = box[0]
-        elif not plan.sharded:
+        elif not plan.whole(rank):
             sd[f"rank{rank}"] = replica[target]
     transfer_s = time.monotonic() - t0
     try:
@@ -185,9 +216,10 @@ def resume(host: RecoveryHost, mode: HotMode) -> Resumed | None:
         "survivor": carry is not None,
         "from_rank": plan.source.get(rank, rank),
         "part_from": None
-        if carry is not None or plan.sharded
+        if carry is not None or plan.whole(rank)
         else plan.part_from.get(rank, "store"),
         "sharded": plan.sharded,
+        "from_replicate_peer": rank in plan.peered,
         "transfer_s": round(transfer_s, 4),
         "restore_s": round(time.monotonic() - t0, 4),
         "lost_saves": lost,

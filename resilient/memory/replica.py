@@ -199,6 +199,10 @@ class BuddyReplicas:
         """The rank that holds this rank's replica."""
         self.ward = -1
         """The rank whose replica this rank holds."""
+        self.ring: list[int] | None = None
+        """This rank's replicate peers (itself included, set before the first exchange) when
+        they hold its shards (HSDP): the buddy is the next of them, the ward the one before,
+        and only the per-rank part crosses. None: placed by host (memory/placement.py)."""
         self._buf: list[dict[str, Any] | None] = [None, None]
         self._steps = [-1, -1]
         self._thread: threading.Thread | None = None
@@ -210,11 +214,16 @@ class BuddyReplicas:
     def _connect(self) -> None:
         """The replication's own gloo group and the buddy map: collectives on every rank, in
         the loop's thread, at the first sharded snapshot (a DDP run never pays for them)."""
-        hosts: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(hosts, self.ctx.host, group=self.ctx.control_group)
-        b = buddies([str(h) for h in hosts])
-        self.buddy = int(b[self.ctx.rank])
-        self.ward = int(next(r for r in range(len(b)) if int(b[r]) == self.ctx.rank))
+        ring = self.ring
+        if ring is not None and len(ring) > 1:  # every rank of a mesh takes this branch
+            i = ring.index(self.ctx.rank)
+            self.buddy, self.ward = ring[(i + 1) % len(ring)], ring[i - 1]
+        else:
+            hosts: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(hosts, self.ctx.host, group=self.ctx.control_group)
+            b = buddies([str(h) for h in hosts])
+            self.buddy = int(b[self.ctx.rank])
+            self.ward = int(next(r for r in range(len(b)) if int(b[r]) == self.ctx.rank))
         with lazy_gloo_connections():  # only buddy pairs ever connect: O(N), not N(N-1)
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         self._log.info("snapshot.replica", buddy=self.buddy, ward=self.ward)

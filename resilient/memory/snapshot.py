@@ -28,11 +28,9 @@ snapshots a rank holds are held by every rank. Until the first agreement, every 
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -43,74 +41,19 @@ from torch.distributed.tensor import DTensor
 
 from resilient import faultpoints
 from resilient.checkpoint import TrainState
-from resilient.envvars import ENV_SNAPSHOT, json_object_env
+from resilient.envvars import ENV_SNAPSHOT
 from resilient.errors import ConfigError
 from resilient.groups.groups import DistContext
 from resilient.log import get_logger
+from resilient.memory.config import SnapshotConfig
 from resilient.memory.interval import Measurements, wanted_interval
 from resilient.memory.replica import BuddyReplicas
+from resilient.mesh import MeshLayout
 
 __all__ = ["ENV_SNAPSHOT", "SnapshotConfig", "Snapshots", "StepCounter"]
 
 _AGREE_EVERY = 32
 """Steps between agreements on the adaptive interval (one all_reduce of an int)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class SnapshotConfig:
-    """In-memory snapshots and in-place rollback (resilient.memory.snapshot)."""
-
-    enabled: bool = False
-    """Keep snapshots and roll back in place on an agreed exception. Costs host memory: two
-    copies of this rank's checkpoint state (checked at track())."""
-    every_steps: int | None = None
-    """Snapshot after every N steps; None: adaptive, a power of two that keeps the copy
-    under `budget` of the step time (typically 1 on small models)."""
-    budget: float = 0.02
-    """Share of step time the adaptive interval allows the copies."""
-    memory_fraction: float = 0.5
-    """Both buffers together may take at most this share of the host memory available at
-    track(); more is a ConfigError there, never an out-of-memory kill mid-run."""
-    max_retries_per_step: int = 1
-    """Rollbacks for a failure of the same rank at the same step; one more goes cold."""
-    replicas: int = 1
-    """Under hot recovery, copies of each sharded (FSDP2) snapshot kept on another rank (its
-    buddy: memory/replica.py), so a lost rank's shards survive it; costs two more buffers of
-    the ward's size. 0: local only, and a lost FSDP2 rank goes cold. DDP state needs none:
-    every rank holds it."""
-
-    def __post_init__(self) -> None:
-        if self.every_steps is not None and self.every_steps < 1:
-            raise ConfigError(f"snapshot every_steps must be >= 1 or None, got {self.every_steps}")
-        if not 0 < self.budget < 1:
-            raise ConfigError(f"snapshot budget must be in (0, 1), got {self.budget}")
-        if not 0 < self.memory_fraction <= 1:
-            raise ConfigError(
-                f"snapshot memory_fraction must be in (0, 1], got {self.memory_fraction}"
-            )
-        if self.replicas not in (0, 1):
-            raise ConfigError(f"snapshot replicas must be 0 or 1, got {self.replicas}")
-        if self.max_retries_per_step < 0:
-            raise ConfigError(
-                f"snapshot max_retries_per_step must be >= 0, got {self.max_retries_per_step}"
-            )
-
-    @classmethod
-    def from_env(cls, overrides: dict[str, Any] | None = None) -> SnapshotConfig:
-        """Defaults, then $RESILIENT_SNAPSHOT, then `overrides`."""
-        import os
-
-        raw = os.environ.get(ENV_SNAPSHOT, "").strip().lower()
-        fields: dict[str, Any] = (
-            {"enabled": True} if raw in {"1", "on", "true"} else json_object_env(ENV_SNAPSHOT)
-        )
-        fields.update(overrides or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(fields) - known:
-            raise ConfigError(
-                f"unknown snapshot option(s) {sorted(set(fields) - known)}; valid: {sorted(known)}"
-            )
-        return cls(**fields)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -237,13 +180,28 @@ class Snapshots:
         self.copies = 2
         """Buffers of this rank's snapshot size held here: its own two, and under hot
         recovery of sharded state the ward's two."""
+        self.peered = False
+        """Sharded, and a replicate peer holds the same shards (HSDP): the buddy is that
+        peer and gets the per-rank part only."""
+        self.whole = False
+        """The whole snapshot goes to the buddy (sharded, no replicate peer: FSDP2, dp x tp)."""
+
+    @property
+    def _replica_kind(self) -> str:
+        if self.replicas is None:
+            return "store" if self.replicate is not None else "none"
+        return "whole" if self.whole else "per-rank part"
 
     @property
     def enabled(self) -> bool:
         return self.config.enabled
 
-    def track(self, state: TrainState) -> None:
-        """Size the snapshot and check that two buffers fit (ConfigError with the numbers)."""
+    def track(self, state: TrainState, layout: MeshLayout | None = None) -> None:
+        """Size the snapshot and check that its buffers fit (ConfigError with the numbers).
+
+        `layout`: the mesh. A sharded rank with a replicate peer (HSDP) sends its buddy, which
+        is then that peer, only its per-rank part: the peer's own snapshot holds the same
+        shards, so a replacement takes them from there and no second copy is kept."""
         self._state = state
         if not self.enabled:
             return
@@ -251,7 +209,12 @@ class Snapshots:
         self.sharded = state.model is not None and any(
             isinstance(p, DTensor) for p in state.model.parameters()
         )
-        copies = self.copies = 4 if self.sharded and self.replicas is not None else 2
+        peers = layout.replicas(self.ctx.rank) if layout is not None else [self.ctx.rank]
+        self.peered = self.sharded and len(peers) > 1
+        self.whole = self.sharded and self.replicas is not None and not self.peered
+        if self.replicas is not None and self.peered:
+            self.replicas.ring = peers
+        copies = self.copies = 4 if self.whole else 2
         need = copies * size
         what = "two copies" if copies == 2 else "four copies, two of them its ward's replica"
         avail = int(psutil.virtual_memory().available)
@@ -273,6 +236,8 @@ class Snapshots:
             total_bytes=need,
             available_bytes=avail,
             every_steps=self.config.every_steps or "adaptive",
+            replica=self._replica_kind,
+            replica_bytes=2 * size if self.whole else 0,
         )
 
     # ------------------------------------------------------------------ taking them
@@ -294,7 +259,7 @@ class Snapshots:
             self._agree_interval()
         if force or step % self.every == 0:
             self.take(step)
-        replicas = self.replicas if self.sharded else None
+        replicas = self.replicas if self.whole else None
         self._exchanging = replicas is not None and replicas.busy
         self._last_t = time.perf_counter()
 
@@ -355,10 +320,10 @@ class Snapshots:
         self._steps[slot] = step
         self._newest = slot
         key = f"rank{self.ctx.rank}"  # this rank's per-rank part of a snapshot
-        if self.replicas is not None and self.sharded:
+        if self.replicas is not None and self.whole:
             self.replicas.send(step, self._buf[slot] or {})  # in the background
             self.measured.exchange_started()
-        elif self.replicas is not None:  # DDP: every survivor has the rest of it
+        elif self.replicas is not None:  # DDP, HSDP: a (replicate) peer has the rest of it
             # A few KiB, in the background too: waiting for it here would wait for the buddy
             # to reach its own snapshot (+10% of a step at one snapshot a step, measured). A
             # rank lost before the exchange ended (the buddy's drift behind it: milliseconds)
@@ -371,8 +336,14 @@ class Snapshots:
         self.copy_s = time.perf_counter() - t0
         self.measured.copy(self.copy_s)
         if self._newest >= 0 and self.bytes and (size := _nbytes(self._buf[slot])) > self.bytes:
+            part = _nbytes((self._buf[slot] or {}).get(key))  # the ward's is as large
             self._log.info(
-                "snapshot.memory", bytes_per_copy=size, copies=self.copies, measured=True
+                "snapshot.memory",
+                bytes_per_copy=size,
+                copies=self.copies,
+                measured=True,
+                replica=self._replica_kind,
+                replica_bytes=2 * (size if self.whole else part),
             )
             self.bytes = size
 

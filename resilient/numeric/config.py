@@ -42,9 +42,10 @@ class NumericConfig:
     max_skips: int = 10
     """Steps "skip" may skip in a run; one more stops it."""
     sdc: bool = False
-    """DDP: check that every replica holds bit-identical parameters before each durable
-    save and every `sdc_every` steps (silent data corruption: numeric/replicas.py). A
-    mismatch restarts from the newest checkpoint, which was checked at its save."""
+    """DDP, HSDP: check that every replica (HSDP: within each replicate group) holds
+    bit-identical parameters before each durable save and every `sdc_every` steps (silent
+    data corruption: numeric/replicas.py). A mismatch restarts from the newest checkpoint,
+    which was checked at its save."""
     sdc_every: int = 100
     """Steps between replica checks beside the saves' own."""
     rerun: bool = False

@@ -1,6 +1,9 @@
-"""Silent data corruption between DDP replicas: their parameters must be bit-identical.
+"""Silent data corruption between replicas: their parameters must be bit-identical.
 
-Under DDP every rank holds the same parameters after every step. A flipped bit in one
+Under DDP every rank holds the same parameters after every step; under HSDP every rank of one
+replicate group (the ranks that differ only along the replicate dimension: MeshLayout's
+`replicas`) holds the same local shards. The check compares within each such group: the
+local parts of the parameters and buffers, so no collective gathers a DTensor. A flipped bit in one
 rank's memory or arithmetic breaks that silently: the run goes on, finite and wrong, and the
 corrupt rank's gradients reach every rank through the all-reduce. `replica_fingerprint` sums
 each parameter's bytes read as integers (a single flipped bit changes the sum by a power of
@@ -23,14 +26,25 @@ from torch import nn
 
 from resilient.groups.groups import DistContext
 
-__all__ = ["local_fingerprint", "odd_ranks", "replica_fingerprint", "replicas_agree"]
+__all__ = [
+    "disagreeing",
+    "local_fingerprint",
+    "odd_ranks",
+    "replica_fingerprint",
+    "replicas_agree",
+]
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def replica_fingerprint(model: nn.Module) -> int:
-    """Sum over every parameter and buffer of its elements read as integers (int64)."""
-    return _int_sum([*model.parameters(), *model.buffers()])
+    """Sum over every parameter and buffer (a DTensor's local shard) of its elements read as
+    integers (int64)."""
+    return _int_sum([_own(t) for t in [*model.parameters(), *model.buffers()]])
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def local_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -54,22 +68,38 @@ def _int_sum(tensors: list[torch.Tensor]) -> int:
     return int(total)
 
 
-def replicas_agree(model: nn.Module, ctx: DistContext) -> list[int] | None:
-    """Every rank's fingerprint when they differ, None when all agree (a collective on the
-    control group)."""
+def replicas_agree(
+    model: nn.Module, ctx: DistContext, groups: list[list[int]] | None = None
+) -> list[int] | None:
+    """Every rank's fingerprint when the ranks of any replicate group differ, None when each
+    group agrees (a collective on the control group: one all_gather of an int64). `groups`:
+    the replicate groups (default: the whole world, DDP)."""
     mine = torch.tensor([replica_fingerprint(model)], dtype=torch.int64)
     if not ctx.distributed or ctx.world_size == 1:
         return None
     every = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(every, mine, group=ctx.control_group)
     values = [int(t) for t in every]
-    return None if len(set(values)) == 1 else values
+    return values if disagreeing(values, groups) else None
 
 
-def odd_ranks(values: list[int]) -> list[int] | None:
-    """The ranks outside a strict majority of equal fingerprints; None without one (two
-    ranks, or no value held by more than half)."""
-    value, count = Counter(values).most_common(1)[0]
-    if count * 2 <= len(values):
-        return None
-    return [r for r, v in enumerate(values) if v != value]
+def disagreeing(values: list[int], groups: list[list[int]] | None = None) -> list[int]:
+    """The ranks of the replicate groups whose members' fingerprints differ."""
+    groups = groups or [list(range(len(values)))]
+    return sorted(r for g in groups if len({values[m] for m in g}) > 1 for r in g)
+
+
+def odd_ranks(values: list[int], groups: list[list[int]] | None = None) -> list[int] | None:
+    """The ranks outside a strict majority of equal fingerprints in their replicate group;
+    None when a group that disagrees has no such majority (two replicas, or no value held
+    by more than half)."""
+    odd: list[int] = []
+    for g in groups or [list(range(len(values)))]:
+        mine = [values[m] for m in g]
+        if len(set(mine)) == 1:
+            continue
+        value, count = Counter(mine).most_common(1)[0]
+        if count * 2 <= len(mine):
+            return None
+        odd += [m for m in g if values[m] != value]
+    return sorted(odd)

@@ -16,7 +16,7 @@ from typing import Any
 from resilient.exitcodes import ExitCode
 from resilient.groups.exits import exit_now
 from resilient.numeric.detect import Fault
-from resilient.numeric.replicas import local_fingerprint, odd_ranks, replicas_agree
+from resilient.numeric.replicas import disagreeing, local_fingerprint, odd_ranks, replicas_agree
 from resilient.numeric.respond import RESTART, ROLLBACK, SKIP, FaultLedger, decide
 
 __all__ = ["NumericResponse"]
@@ -93,22 +93,24 @@ class NumericResponse:
         return config.sdc and step % config.sdc_every == 0
 
     def check_replicas(self, step: int) -> None:
-        """DDP with `sdc` on: every replica's parameters must be bit-identical (a collective
-        on every rank). A mismatch is a fault that no snapshot can undo (they may hold the
-        corruption): the run restarts from the newest checkpoint, checked at its save."""
+        """DDP or HSDP with `sdc` on: every replica's parameters (HSDP: local shards, within
+        each replicate group) must be bit-identical (a collective on every rank). A mismatch
+        is a fault that no snapshot can undo (they may hold the corruption): the run
+        restarts from the newest checkpoint, checked at its save."""
         rt = self._rt
         model = rt.state.model
         if not rt.config.numeric.sdc or model is None or not self._replicated():
             return
-        values = replicas_agree(model, rt.ctx)
+        groups = self._replica_groups()
+        values = replicas_agree(model, rt.ctx, groups)
         if values is None:
             # a save before this step finished its staging copy before this step's forward:
             # what it copied is what the replicas agree on now
             self._unproven = [s for s in self._unproven if s >= step]
             self._clean_at = step
             return
-        odd = odd_ranks(values)
-        ranks = odd if odd else list(range(len(values)))
+        odd = odd_ranks(values, groups)
+        ranks = odd if odd else disagreeing(values, groups)
         what = "parameters differ from the other replicas" if odd else "replicas disagree"
         fault = Fault(
             step=step, ranks=ranks, seen={r: [what] for r in ranks}, phase="replica check"
@@ -178,12 +180,17 @@ class NumericResponse:
         return [bool(int(t)) for t in every]
 
     def _replicated(self) -> bool:
+        """Some ranks hold identical parameters (the mesh's replicate peers: DDP's whole
+        world, HSDP's replicate groups), so the replica check has something to compare."""
         if self._ddp is None:
-            from resilient.groups.ddp import ddp_modules
-
-            model = self._rt.state.model
-            self._ddp = model is not None and bool(ddp_modules(model))
+            rt = self._rt
+            self._ddp = rt.state.model is not None and len(rt.layout.replicas(rt.rank)) > 1
         return self._ddp
+
+    def _replica_groups(self) -> list[list[int]]:
+        """The replicate groups, each once (MeshLayout: no rank arithmetic here)."""
+        layout = self._rt.layout
+        return [list(g) for g in dict.fromkeys(tuple(layout.replicas(r)) for r in layout.grid)]
 
     def closed(self, step: int) -> None:
         """Step `step` closed without a fault: a fault rolled back at it was transient."""

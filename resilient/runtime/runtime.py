@@ -230,7 +230,7 @@ class Runtime(Loops):
         per_rank["__loss_mean__"] = self.numeric.loss_mean  # spike detection's running mean
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
         self.state.layout = self.layout.signature()
-        self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
+        self.snapshots.track(self.state, self.layout)  # ConfigError when the copies do not fit
         if model is not None and self.config.pin_ddp_buckets:
             wiring.pin_ddp_buckets(model, self.log)
         for h in self._hooks:
