@@ -2,19 +2,32 @@
 # Each creates .venv in the checkout first (scripts/setup.sh; a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint bench soak clean
+.PHONY: setup demo test test-torch lint bench soak clean
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m chaos.demo
 
+# CI (.ci/run): both ends of the tested torch range (docs/operating.md#torch-releases). The full
+# suite runs on .venv's torch, the range's floor (2.13.0, constraints-cpu.txt); the
+# compatibility subset on the newest release, in a side environment built once per machine
+# outside the checkout (~/.cache/resilient, 4 GB; scripts/torch_env.py). It is built or reused
+# first, so that a failed download stops CI at once and says why.
 test: setup
 	$(PY) -m ruff check resilient chaos recipes scripts tests
 	$(PY) -m ruff format --check resilient chaos recipes scripts tests
 	$(PY) -m mypy
 	.venv/bin/lint-imports
+	$(PY) scripts/torch_env.py newest
 	$(PY) -m pytest -q -m "not extended"
+	$(PY) scripts/torch_env.py newest --subset
+
+# `make test-torch TORCH=2.14.1`: the demo and the compatibility subset with that torch release
+# (TORCH=floor or newest: the ends of pyproject.toml's range), in its side environment
+TORCH ?= newest
+test-torch: setup
+	$(PY) scripts/torch_env.py $(TORCH) --subset
 
 # the long soak of docs/chaos.md: the tests marked `extended` (left out of `make test` to keep
 # CI under its budget), every scenario of chaos/scenarios (some run only here), then 200
