@@ -98,8 +98,11 @@ def _pip(python: str, *args: str, version: str) -> subprocess.CompletedProcess[s
 
 
 def _fail(what: str, proc: subprocess.CompletedProcess[str]) -> BuildError:
+    """`what` failed: pip's own words, its errors and network retries first."""
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "is ignored" not in ln]
-    tail = "\n    ".join(lines[-8:])
+    words = ("ERROR", "Retrying", "Could not", "onnection", "Name or service")
+    said = [ln for ln in lines if any(w in ln for w in words)]
+    tail = "\n    ".join((said or lines)[-8:])
     return BuildError(f"{what} (pip exited {proc.returncode}):\n    {tail}")
 
 
@@ -108,7 +111,7 @@ def resolve(version: str, python: str) -> tuple[dict[str, str], list[str]]:
     torch's own requirements (metadata only: nothing is downloaded yet)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp, "report.json")
-        args = ("install", "--dry-run", "--ignore-installed", "-q", "--report", str(report))
+        args = ("install", "--dry-run", "--ignore-installed", "--report", str(report))
         proc = _pip(python, *args, f"torch=={version}", version=version)
         if proc.returncode != 0:
             raise _fail(
