@@ -323,10 +323,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def subset(python: str, env: dict[str, str], torch_version: str) -> int:
     """The demo, then SUBSET under pytest, with this torch; the first failure's status."""
-    with tempfile.TemporaryDirectory(prefix="resilient-demo-") as out:
+    with tempfile.TemporaryDirectory(prefix="resilient-torch-subset-") as out:
+        basetemp = ["--basetemp", str(Path(out, "pytest"))]
         steps = [
-            ("demo", [python, "-m", "chaos.demo", *DEMO_ARGS, "--out", out]),
-            ("tests", [python, "-m", "pytest", "-q", "-m", "not extended", *SUBSET]),
+            ("demo", [python, "-m", "chaos.demo", *DEMO_ARGS, "--out", str(Path(out, "demo"))]),
+            # its own --basetemp: pytest sessions of other checkouts prune the shared
+            # /tmp/pytest-of-<user>/pytest-<n> directories, this one's included
+            ("tests", [python, "-m", "pytest", "-q", "-m", "not extended", *basetemp, *SUBSET]),
         ]
         for name, cmd in steps:
             print(f"torch-env: torch {torch_version}: {name}: {' '.join(cmd[1:])}", flush=True)
