@@ -12,8 +12,8 @@ silent default. Two exceptions, 6. and 7. below: what only makes a save or a loa
 turns itself off when it no longer holds, and DCP's public path is taken instead.
 
 Checked on torch 2.13.0, 2.14.1, 2.15.0 (the tested range, resilient/_torch_check.py): every check
-below passes on each, and `make test-torch` ran the compatibility subset there
-(docs/operating.md#torch-releases).
+below passes on each; which of the tests using them ran on which release:
+docs/operating.md#torch-releases.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ A torch without one of the names fails here, at import, with TorchCompatError na
 torch version and the feature (resilient/_torch_check.py).
 
 Checked on torch 2.13.0, 2.14.1, 2.15.0 (the tested range): every name above is there on
-each, the lazy connections are honoured (tests/test_torch_compat.py), and a peer's death
-still reads as PEER_LOST (tests/test_hang.py, in the compatibility subset of
-docs/operating.md#torch-releases).
+each; the lazy connections (tests/test_torch_compat.py) and a peer's death read as
+PEER_LOST (tests/test_hang.py) were run on the releases docs/operating.md#torch-releases
+lists.
 """
 
 from __future__ import annotations
