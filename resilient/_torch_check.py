@@ -1,24 +1,40 @@
-"""The check every compat module runs at import: does this torch still have what we use?
+"""The check every compat module runs at import: is this torch a tested release, and does it
+still have what we use?
 
-resilient leans on a few private torch names where torch has no public way to do the job
-(docs/internals.md#private-apis). Each compat module states what it needs through the helpers
-here, at import, so a torch that renamed or dropped one fails at once with an error naming
-the torch version, the missing name and the feature that needs it: never later in the middle
-of a run, and never through a silent `getattr(..., default)`.
+First the release: resilient is tested on a range of torch releases, TORCH_FLOOR to
+TORCH_NEWEST (pyproject.toml declares the same range; docs/operating.md#torch-releases says
+what was checked on which). A torch outside it, or a pre-release or nightly build, fails at
+the import of the first compat module with an error naming the range; RESILIENT_UNTESTED_TORCH=1
+(resilient/envvars.py) turns that into a warning, for trying a new release.
+
+Then the names: resilient leans on a few private torch names where torch has no public way
+to do the job (docs/internals.md#private-apis). Each compat module states what it needs
+through the helpers here, at import, so a torch that renamed or dropped one fails at once with
+an error naming the torch version, the missing name and the feature that needs it: never
+later in the middle of a run, and never through a silent `getattr(..., default)`. That holds
+with RESILIENT_UNTESTED_TORCH=1 too.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from resilient.envvars import ENV_UNTESTED_TORCH, untested_torch_allowed
+
 __all__ = [
-    "TESTED_TORCH",
+    "TESTED_RANGE",
+    "TESTED_RELEASES",
+    "TORCH_FLOOR",
+    "TORCH_NEWEST",
     "TorchCompatError",
+    "check_release",
     "missing",
     "require_attrs",
     "require_import",
@@ -26,8 +42,21 @@ __all__ = [
     "require_self_attrs",
 ]
 
-TESTED_TORCH = "2.13"
-"""The torch release these checks were written against (the floor in pyproject.toml)."""
+TORCH_FLOOR = (2, 13, 0)
+"""The oldest torch release tested: an older one lacks a name or a behaviour resilient relies
+on (docs/operating.md#torch-releases)."""
+TORCH_NEWEST = (2, 15, 0)
+"""The newest torch release tested. Raise it only with the new release checked by
+`make test-torch TORCH=<release>`, and pyproject.toml's bound with it."""
+TESTED_RANGE = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]},<={'.'.join(map(str, TORCH_NEWEST))}"
+"""The range as pip reads it (pyproject.toml's requirement; tests/test_torch_compat.py checks
+that the two agree)."""
+
+TESTED_RELEASES = ("2.13.0", "2.14.1", "2.15.0")
+"""The releases `make test-torch` was run on, oldest first (every compat module's docstring
+names them: the releases its checks were run on)."""
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?(\+[\w.]+)?")
 
 
 class TorchCompatError(ImportError):
@@ -40,7 +69,7 @@ def missing(what: str, feature: str) -> TorchCompatError:
     cannot express)."""
     return TorchCompatError(
         f"resilient: torch {torch.__version__} has no {what}, which {feature} needs. "
-        f"resilient was tested with torch {TESTED_TORCH}: install that release, or report "
+        f"resilient is tested with {TESTED_RANGE}: install a release in that range, or report "
         "this torch version as unsupported (docs/internals.md#private-apis)"
     )
 
@@ -94,3 +123,32 @@ def require_self_attrs(cls: type, names: Iterable[str], *, feature: str) -> None
     for n in names:
         if f"self.{n} =" not in text and f"self.{n}:" not in text:
             raise missing(f"{_name(cls)}.{n}", feature)
+
+
+def check_release(version: str, *, allow_untested: bool = False) -> None:
+    """TorchCompatError naming the tested range when `version` (torch.__version__, e.g.
+    "2.15.0+cu130"; a local build label is ignored) is not a release in it, or is a pre-release
+    or nightly build; a warning instead when `allow_untested`."""
+    match = _RELEASE.fullmatch(version)
+    release = tuple(int(x or 0) for x in match.groups()[:3]) if match else None
+    if release is not None and TORCH_FLOOR <= release <= TORCH_NEWEST:
+        return
+    text = (
+        f"resilient: torch {version} is not a release resilient is tested with "
+        f"({TESTED_RANGE}, docs/operating.md#torch-releases)."
+    )
+    if allow_untested:
+        warnings.warn(
+            f"{text} Running anyway ({ENV_UNTESTED_TORCH}=1); the private torch names it "
+            "uses are still checked at import.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    raise TorchCompatError(
+        f"{text} Install a release in that range, or set {ENV_UNTESTED_TORCH}=1 to try this "
+        "one anyway (and report how it went)."
+    )
+
+
+check_release(str(torch.__version__), allow_untested=untested_torch_allowed())

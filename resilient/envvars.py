@@ -41,6 +41,7 @@ __all__ = [
     "ENV_SNAPSHOT",
     "ENV_STOP_AT",
     "ENV_STORE",
+    "ENV_UNTESTED_TORCH",
     "ENV_WATCHDOG",
     "HOT_WAIT_S",
     "TORCHELASTIC_ERROR_FILE",
@@ -54,6 +55,7 @@ __all__ = [
     "int_env",
     "json_object_env",
     "parse_signals",
+    "untested_torch_allowed",
     "watchdog_setting",
 ]
 
@@ -113,6 +115,11 @@ SnapshotConfig fields, e.g. '{"enabled": true, "every_steps": 8}'."""
 ENV_NUMERIC = "RESILIENT_NUMERIC"
 """Numerical-fault options: a JSON object of NumericConfig fields, e.g.
 '{"policy": "skip", "spike_factor": 3}' (resilient/numeric/config.py)."""
+
+ENV_UNTESTED_TORCH = "RESILIENT_UNTESTED_TORCH"
+"""Set to "1" to run with a torch release outside the tested range (resilient/_torch_check.py):
+a warning instead of the error. The private names resilient uses are still checked at import.
+Set by hand, never by `resilient run`."""
 
 # ---------------------------------------------------------------- torch elastic's
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -235,3 +242,8 @@ def int_env(name: str, default: int) -> int:
         return int(raw)
     except ValueError as e:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from e
+
+
+def untested_torch_allowed() -> bool:
+    """$RESILIENT_UNTESTED_TORCH is "1": an untested torch release warns instead of failing."""
+    return os.environ.get(ENV_UNTESTED_TORCH, "") == "1"

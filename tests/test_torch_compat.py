@@ -11,7 +11,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from resilient._torch_check import (
+    TESTED_RANGE,
+    TESTED_RELEASES,
+    TORCH_FLOOR,
+    TORCH_NEWEST,
     TorchCompatError,
+    check_release,
     require_attrs,
     require_import,
     require_params,
@@ -24,6 +29,67 @@ from resilient._torch_check import (
 )
 def test_the_installed_torch_has_what_the_compat_modules_need(module: str) -> None:
     importlib.import_module(module)
+
+
+def test_the_installed_torch_is_a_tested_release() -> None:
+    check_release(str(torch.__version__))  # what every compat module runs at import
+
+
+def test_an_untested_release_fails_naming_the_range_unless_allowed() -> None:
+    below = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.0"
+    above = f"{TORCH_NEWEST[0]}.{TORCH_NEWEST[1] + 1}.0"
+    nightly = ".".join(map(str, TORCH_NEWEST)) + "a0+git1234567"
+    for version in (below, above, above + "+cu130", nightly, "not a version"):
+        with pytest.raises(TorchCompatError) as err:
+            check_release(version)
+        assert version in str(err.value) and TESTED_RANGE in str(err.value)
+        assert "RESILIENT_UNTESTED_TORCH=1" in str(err.value)
+        with pytest.warns(RuntimeWarning, match="Running anyway"):
+            check_release(version, allow_untested=True)
+    for version in TESTED_RELEASES:
+        check_release(version)
+        check_release(version + "+cu130")
+
+
+def test_pyproject_declares_the_tested_range() -> None:
+    """pip's reading of pyproject.toml's torch requirement and check_release agree on every
+    tested release, the next patch and minor releases and the one below the floor."""
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    requirements = [Requirement(d) for d in pyproject["project"]["dependencies"]]
+    (torch_req,) = [r for r in requirements if r.name == "torch"]
+    assert str(torch_req.specifier) == str(Requirement(TESTED_RANGE).specifier)
+    major, minor, patch = TORCH_NEWEST
+    newest = f"{major}.{minor}.{patch}"
+    assert TESTED_RELEASES[-1] == newest
+    assert TESTED_RELEASES[0] == ".".join(map(str, TORCH_FLOOR))
+    outside = [f"{major}.{minor}.{patch + 1}", f"{major}.{minor + 1}.0"]
+    outside.append(f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.0")
+    for version in [*TESTED_RELEASES, newest + "+cu130", *outside]:
+        pip_says = torch_req.specifier.contains(version)
+        try:
+            check_release(version)
+            we_say = True
+        except TorchCompatError:
+            we_say = False
+        assert pip_says == we_say == (version not in outside), version
+
+
+@pytest.mark.parametrize(
+    "module", ["resilient.checkpoint", "resilient.groups", "resilient.supervisor"]
+)
+def test_every_compat_fence_records_the_releases_it_was_checked_on(module: str) -> None:
+    compat = importlib.import_module(f"{module}._torch_compat")
+    doc = " ".join((compat.__doc__ or "").split())
+    assert f"Checked on torch {', '.join(TESTED_RELEASES)}" in doc, module
 
 
 def test_a_missing_name_names_the_torch_version_and_the_feature() -> None:

@@ -23,6 +23,10 @@ them. That needs names torch does not document as an API:
 
 A torch without one of them fails here, at import, with TorchCompatError naming the torch
 version and the feature (resilient/_torch_check.py), not in the middle of a run.
+
+Checked on torch 2.13.0, 2.14.1, 2.15.0 (the tested range): every name above is there on each;
+which of the supervisor's and hot recovery's tests ran on which release:
+docs/operating.md#torch-releases.
 """
 
 from __future__ import annotations
