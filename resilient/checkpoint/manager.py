@@ -77,6 +77,7 @@ class CheckpointManager:
         # replaces them instead of being skipped as "already committed".
         self._rejected: set[int] = set()
         self._kept_good: set[int] = set()  # steps retention said it keeps before a fault
+        self._unchecked: frozenset[str] = frozenset()
         if config.async_save:
             self._saves.start_threads()
 
@@ -117,6 +118,7 @@ class CheckpointManager:
         for it.
         """
         self.wait()
+        self._unchecked = state.unchecked()  # for the same-name check (finite.py), as below
         blocking = not self.config.async_save if blocking is None else blocking
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
@@ -202,7 +204,8 @@ class CheckpointManager:
         rel = step_dir(step)
         # Before anything is written, and outside the handling of storage failures below: a
         # non-finite state is never a failed save to retry or to train past.
-        check_s = check_agreed(sd, step, self.collectives, self._log, self.last_committed)
+        check_s = check_agreed(sd, step, self.collectives, self._log, self.last_committed,
+                               unchecked=self._unchecked)  # fmt: skip
         try:
             # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
             with self.storage.budget(self.config.retry.save_budget_s):

@@ -49,6 +49,7 @@ from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.loops import Loops
 from resilient.runtime.numeric import NumericResponse
 from resilient.runtime.progress import ProgressLog
+from resilient.runtime.stages import agree_split
 from resilient.runtime.stopping import check_preempt
 
 __all__ = ["Runtime", "current", "init"]
@@ -213,6 +214,7 @@ class Runtime(Loops):
                 dp_rank=self.layout.dp_rank(self.rank),
             )
         self._fp.mesh = self.layout.signature()
+        stage = agree_split(model, self.layout, self.ctx, self.log)  # None: no pp in the mesh
         common: dict[str, StatefulLike] = dict(extras)
         common["__numeric_skipped__"] = self.numeric.skipped
         if scheduler is not None:
@@ -250,6 +252,7 @@ class Runtime(Loops):
             common=common,
             per_rank=per_rank,
             layout=self.layout.signature(),
+            pipeline=stage is not None,
         )
         self.snapshots.track(self.state)  # ConfigError when two copies do not fit in memory
         if model is not None and self.config.pin_ddp_buckets:
@@ -259,8 +262,8 @@ class Runtime(Loops):
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer)
-        if model is not None:  # each step's first forward inputs: its fingerprint
-            self._hooks.append(self._fp.attach(model))
+        if model is not None and not stage:  # each step's first forward inputs: its
+            self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)
 
     # ------------------------------------------------------------------ the loop
     def resume(self) -> int:
