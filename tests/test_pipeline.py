@@ -101,7 +101,7 @@ time.sleep(50)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_mismatch_is_neither_restarted_nor_replaced_hot(
     tmp_path: Path, launcher: Launcher
 ) -> None:
@@ -117,7 +117,7 @@ def test_a_mismatch_is_neither_restarted_nor_replaced_hot(
             str(script),
             str(starts),
         ),
-        timeout=100,
+        timeout=200,  # a warm spare and two workers start: torch imported three times
     )
     assert code == ExitCode.MISMATCH, err[-3000:]
     assert sorted(starts.read_text().splitlines()) == ["rank 0 attempt 0", "rank 1 attempt 0"]
@@ -224,6 +224,33 @@ def test_a_killed_stage_rank_resumes_cold_bit_for_bit(
         return {s: [r["loss"] for r in rs if r["loss"] is not None] for s, rs in by_step.items()}
 
     assert losses(tmp_path / "kill") == losses(tmp_path / "gold")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout", [("--pp=2", "--dp=2"), ("--pp=4", "--dp=1")], ids=["pp2xdp2", "pp4"]
+)
+def test_four_ranks_resume_cold_bit_for_bit_after_a_kill(
+    tmp_path: Path, launcher: Launcher, layout: tuple[str, str]
+) -> None:
+    """pp=2 x dp=2 (DDP over each stage's replicas) and pp=4: rank 2 (stage 0 of the second
+    replica, or stage 2) is SIGKILLed at step 10; the cold restart ends bit for bit equal."""
+    common = (*layout, "--steps=12", "--save-every=4")
+    _launch(launcher, tmp_path / "gold", 4, *common)
+    _launch(
+        launcher,
+        tmp_path / "kill",
+        4,
+        *common,
+        faults=("kill@rank=2,step=10,phase=forward",),
+        restarts=1,
+    )
+    gold, kill = _digests(tmp_path / "gold"), _digests(tmp_path / "kill")
+    assert sorted(gold) == [0, 1, 2, 3] and gold == kill
+    assert {e["rank"] for e in run_events(tmp_path / "kill" / "run", "ckpt.load")} == {0, 1, 2, 3}
+    assert not run_events(tmp_path / "kill" / "run", "resume.diverged")
 
 
 @pytest.mark.slow

@@ -16,12 +16,12 @@ keeps one copy of a plain name, so ranks that save one name must save one value 
 under one name right). A difference is refused on every rank with the names, the ranks and
 the fix (`DivergentStateError`).
 
-A tensor's fingerprint is the sum of its bytes read as integers (int16/int32/int64 for 2, 4
-and 8-byte elements), with its dtype and shape: integer addition does not depend on the order
-of the additions, so the same bits give the same fingerprint on any device and any number of
-threads, and any one changed element changes it. One read of each plain tensor; the compare
-travels in the all-gather the non-finite check already makes (finite.py). Measured in
-docs/benchmarks.md ("Same-name check").
+A tensor's fingerprint is the sum of its bytes read as 64-bit integers (narrower ones when its
+size is not a multiple of 8), wrapping, with its dtype and shape: integer addition does not
+depend on the order of the additions, so the same bits give the same fingerprint on any
+device and any number of threads, and any one changed element changes it. One read of each
+plain tensor, as fast as the non-finite check's sums; the compare travels in the all-gather
+that check already makes (finite.py). Measured in docs/benchmarks.md ("Same-name check").
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from torch.distributed.tensor import DTensor
 __all__ = ["CHECKED", "divergent", "fingerprints", "refusal"]
 
 CHECKED = ("model", "optim")
-
-_AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
@@ -56,21 +54,28 @@ def _leaves(obj: Any, key: str) -> Iterator[tuple[str, Any]]:
         yield key, obj
 
 
+def _as_ints(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as the widest integers that tile them (int64 for almost every tensor)."""
+    b = t.reshape(-1).view(torch.uint8)
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if b.numel() % size == 0:
+            try:
+                return b.view(dtype)
+            except RuntimeError:  # a storage offset the wider type cannot start at
+                continue
+    return b.view(torch.int8)
+
+
 def _tensor_print(t: torch.Tensor) -> tuple[str, torch.Tensor]:
     t = t.detach()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
     if t.is_complex():
         t = torch.view_as_real(t)
     if not t.is_contiguous():
         t = t.contiguous()
-    as_int = _AS_INT.get(t.element_size())
-    flat = t.reshape(-1)
-    if as_int is not None and flat.numel():
-        total = flat.view(as_int).sum(dtype=torch.int64)
-    else:
-        total = torch.zeros((), dtype=torch.int64, device=t.device)
-    return f"{t.dtype}{tuple(t.shape)}", total
+    ints = _as_ints(t) if t.numel() else torch.zeros(1, dtype=torch.int64, device=t.device)
+    # summed in their own type, wrapping: as fast as a float sum (a sum into int64 from a
+    # narrower type converts every element first, ten times slower)
+    return f"{t.dtype}{tuple(t.shape)}", ints.sum(dtype=ints.dtype).to(torch.int64)
 
 
 def fingerprints(sd: dict[str, Any], skip: Set[str] = frozenset()) -> dict[str, str]:
