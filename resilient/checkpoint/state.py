@@ -193,8 +193,11 @@ class TrainState:
             sd[f"rank{rank}"] = b""
         return sd
 
-    def apply(self, sd: dict[str, Any], *, rank: int, flat_optim: bool = False) -> int:
-        """Put a loaded state dict back into the live objects; returns the saved step."""
+    def apply(self, sd: dict[str, Any], *, rank: int, flat_optim: bool | None = None) -> int:
+        """Put a loaded state dict back into the live objects; returns the saved step.
+        `flat_optim`: the optimizer state is keyed per parameter (None: as this state saves
+        it, for a snapshot)."""
+        flat_optim = self.pipeline if flat_optim is None else flat_optim
         if self.model is not None:
             set_model_state_dict(self.model, sd["model"])
             if self.optimizer is not None:
