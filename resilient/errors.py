@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "ConfigError",
+    "DivergentStateError",
     "NumericalFaultError",
     "ResilientError",
     "StorageError",
@@ -35,6 +36,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint does not fit the tracked state (another model, missing or extra keys)."""
+
+
+class DivergentStateError(CheckpointMismatchError):
+    """A save where ranks hold different values under one plain name, which a checkpoint
+    would keep only one of; refused before anything is written (checkpoint/duplicates.py)."""
 
 
 class NumericalFaultError(ResilientError):

@@ -23,6 +23,7 @@ class ExitCode(enum.IntEnum):
     """
 
     OK = 0
+    MISMATCH = 80
     HANG = 81
     PEER_LOST = 82
     OOM = 83
@@ -38,6 +39,13 @@ class ExitCode(enum.IntEnum):
 
 DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.OK: "training finished (or stopped at stop_at) with a committed checkpoint",
+    ExitCode.MISMATCH: (
+        "the configuration or a checkpoint does not fit the run: a checkpoint of another "
+        "model or with layers this model lacks (the keys are named), ranks that would save "
+        "different values under one name, a pipeline split that differs between ranks, a "
+        "bad option (ConfigError). A restart would meet it again: resilient run stops at once. "
+        "Do not requeue: fix the script or the checkpoint location"
+    ),
     ExitCode.HANG: (
         "a rank made no progress past its phase timeout, or stopped heartbeating while its "
         "process was stopped (SIGSTOP); the hang.detected event names it. Restart"

@@ -121,7 +121,9 @@ def main() -> None:
     import resilient.checkpoint.manager as manager_module
     from resilient import log
     from resilient.checkpoint import CheckpointConfig, CheckpointManager, TrainState
+    from resilient.checkpoint.duplicates import fingerprints
     from resilient.checkpoint.finite import find_nonfinite
+    from resilient.storage.checksum import updater
 
     torch.set_num_threads(args.threads)
     work = Path(args.dir)
@@ -144,8 +146,21 @@ def main() -> None:
     candidates = methods(checked)
     for name, fn in candidates.items():
         assert fn() is True, name
-    timed = interleaved({"find_nonfinite": lambda: find_nonfinite(sd), **candidates}, args.reps)
+    crc = updater("crc32c")
+    timed = interleaved(
+        {
+            "find_nonfinite": lambda: find_nonfinite(sd),
+            "same_name": lambda: bool(fingerprints(sd)),  # issue 37's per-key fingerprints
+            "crc32c": lambda: bool(
+                [crc(t.detach().reshape(-1).view(torch.uint8).numpy(), 0) for t in checked]
+            ),
+            **candidates,
+        },
+        args.reps,
+    )
     check_s = timed.pop("find_nonfinite")
+    same_name_s, crc_s = timed.pop("same_name"), timed.pop("crc32c")
+    print(f"same-name fingerprints: {same_name_s / gib:.4f} s/GiB; crc32c {crc_s / gib:.4f} s/GiB")
     per_method = {name: round(seconds / gib, 4) for name, seconds in timed.items()}
     for name, per_gib in per_method.items():
         print(f"  {name:<14} {per_gib:.4f} s/GiB")
@@ -182,6 +197,8 @@ def main() -> None:
                 "save_reps": args.save_reps,
                 "finite_check_s": round(check_s, 4),
                 "finite_check_s_per_gib": round(check_s / gib, 4),
+                "same_name_s_per_gib": round(same_name_s / gib, 4),
+                "crc32c_s_per_gib": round(crc_s / gib, 4),
                 "methods_s_per_gib": per_method,
                 "save_s": {"with": round(save_with, 4), "without": round(save_without, 4)},
                 "save_s_each": {k: [round(x, 4) for x in v] for k, v in times.items()},

@@ -30,7 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from resilient.checkpoint.collectives import Collectives
-from resilient.errors import NumericalFaultError
+from resilient.checkpoint.duplicates import divergent, fingerprints, refusal
+from resilient.errors import DivergentStateError, NumericalFaultError
 
 __all__ = ["CHECKED", "NonFinite", "check_agreed", "find_nonfinite"]
 
@@ -110,33 +111,52 @@ def find_nonfinite(sd: dict[str, Any]) -> list[NonFinite]:
 
 
 def check_agreed(
-    sd: dict[str, Any], step: int, collectives: Collectives, log: Any, newest_valid: int | None
+    sd: dict[str, Any],
+    step: int,
+    collectives: Collectives,
+    log: Any,
+    newest_valid: int | None,
+    unchecked: frozenset[str] = frozenset(),
 ) -> float:
     """Check this rank's part of the state dict `sd` of a save of `step` and agree with every
     rank of `collectives`; the seconds this rank's check took. `newest_valid`: the newest
     committed step, for the event and the error.
 
     When any rank found a non-finite value, every rank logs `ckpt.save.nonfinite` and raises
-    NumericalFaultError before anything of the save is written. A collective: every rank
-    calls it at the same point of the same save.
+    NumericalFaultError before anything of the save is written. In the same gather the ranks
+    compare the fingerprints of their plain values (duplicates.py, all but the keys
+    `unchecked`): two ranks holding different values under one name raise
+    DivergentStateError on every rank, logged as `ckpt.save.divergent`, nothing written. A
+    collective: every rank calls it at the same point of the same save.
     """
     t0 = time.perf_counter()
+    mine: tuple[list[NonFinite], str | None, dict[str, str]]
     try:
-        mine: tuple[list[NonFinite], str | None] = (find_nonfinite(sd), None)
+        prints = fingerprints(sd, unchecked) if collectives.world_size > 1 else {}
+        mine = (find_nonfinite(sd), None, prints)
     except Exception as e:  # never leave the other ranks waiting in the gather below
-        mine = ([], f"rank {collectives.rank}: {type(e).__name__}: {e}")
+        mine = ([], f"rank {collectives.rank}: {type(e).__name__}: {e}", {})
     seconds = time.perf_counter() - t0
     every = collectives.gather_all(mine)
-    failed = [err for _, err in every if err]
+    failed = [err for _, err, _ in every if err]
     if failed:
         raise NumericalFaultError(
             f"step {step}: the check for non-finite values failed, so nothing was written: "
             + "; ".join(failed)
         )
-    ranks = [r for r, (found, _) in enumerate(every) if found]
+    ranks = [r for r, (found, _, _) in enumerate(every) if found]
     if not ranks:
+        differ = divergent([p for _, _, p in every])
+        if differ:
+            log.error(
+                "ckpt.save.divergent",
+                step=step,
+                keys=len(differ),
+                first={k: differ[k] for k in sorted(differ)[:8]},
+            )
+            raise DivergentStateError(refusal(step, differ))
         return seconds
-    offenders = [(r, f) for r, (found, _) in enumerate(every) for f in found]
+    offenders = [(r, f) for r, (found, _, _) in enumerate(every) for f in found]
     keys = [f"rank {r}: {f.said()}" for r, f in offenders[:8]]
     log.error(
         "ckpt.save.nonfinite",

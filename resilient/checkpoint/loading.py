@@ -34,7 +34,7 @@ from resilient.errors import (
 )
 from resilient.storage import Storage
 
-__all__ = ["Loader", "keys_said", "misfit"]
+__all__ = ["Loader", "flat_optim", "keys_said", "misfit"]
 
 
 class Loader:
@@ -225,14 +225,14 @@ class Loader:
                 reason="another world size or mesh layout: float reductions run in another "
                 "order, so the bits differ from this step on (the samples stay exact)",
             )
-        template = state.load_template(
-            rank=self.rank, has_rank_blob=same_world and f"rank{self.rank}" in saved
-        )
+        flat = flat_optim(saved)
+        blob = same_world and f"rank{self.rank}" in saved
+        template = state.load_template(rank=self.rank, has_rank_blob=blob, flat_optim=flat)
         try:
             self._dcp_load(template, reader)
         finally:
             verifier.drop_ahead()  # a load that failed before its check
-        state.apply(template, rank=self.rank)
+        state.apply(template, rank=self.rank, flat_optim=flat)
 
     def _dcp_load(self, template: dict[str, Any], reader: Any) -> None:
         """DCP's load of `template` in place, restricted (SafeLoadPlanner), on this group."""
@@ -245,29 +245,48 @@ class Loader:
         )
 
     def _check_fits(self, state: TrainState, saved: dict[str, Any], step: int) -> None:
-        if state.model is None:
-            return
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        want = {
-            k: tuple(v.shape)
-            for k, v in get_model_state_dict(state.model).items()
-            if isinstance(v, torch.Tensor)
-        }
+        """Each rank's model against the checkpoint, agreed by every rank: a key a rank's
+        model holds that the checkpoint lacks, or holds in another shape, and a key of the
+        checkpoint that no rank's model holds (pipeline stages each hold only their own
+        layers; together they must cover the checkpoint). CheckpointMismatchError on every
+        rank, naming the keys and the ranks."""
         have = {
             k[len("model.") :]: tuple(getattr(v, "size", ()))
             for k, v in saved.items()
             if k.startswith("model.")
         }
-        missing, unexpected, shapes = misfit(want, have)
-        if missing or unexpected or shapes:
-            raise CheckpointMismatchError(
-                f"checkpoint {self.storage.url}/{step_dir(step)} does not match the tracked model: "
-                f"missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}, "
-                f"unexpected keys {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}"
-                + (f", shape mismatches {shapes[:10]}" if shapes else "")
-                + ". Point the checkpoint location at this model's checkpoints, or use a new one."
-            )
+        mine: tuple[list[str], list[str], list[str]] | None = None
+        if state.model is not None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            want = {
+                k: tuple(v.shape)
+                for k, v in get_model_state_dict(state.model).items()
+                if isinstance(v, torch.Tensor)
+            }
+            mine = misfit(want, have)
+        every = self.collectives.gather_all(mine)
+        held = [m for m in every if m is not None]
+        if not held:
+            return
+        missing = sorted({k for m in held for k in m[0]})
+        shapes = sorted({k for m in held for k in m[2]})
+        unexpected = sorted(set.intersection(*(set(m[1]) for m in held)))  # held by no rank
+        if not (missing or unexpected or shapes):
+            return
+        ranks = [r for r, m in enumerate(every) if m is not None and (m[0] or m[2])]
+        where = f"{self.storage.url}/{step_dir(step)}"
+        staged = len(held) > 1 and any(m[1] for m in held) and not unexpected
+        raise CheckpointMismatchError(
+            f"checkpoint {where} does not match the tracked model: "
+            + keys_said(missing, unexpected, shapes)
+            + (f" (on rank(s) {ranks[:8]})" if ranks and len(held) > 1 else "")
+            + (". The keys no rank's model holds are layers this model lacks" if unexpected else "")
+            + (". Each rank's model holds only part of it (pipeline stages)" if staged else "")
+            + ". Build the model the checkpoint was saved from (every layer, under the same "
+            "names), point the checkpoint location at this model's checkpoints, or use a new one"
+            + " (docs/checkpoints.md#global-names)."
+        )
 
 
 Shapes = dict[str, tuple[int, ...]]
@@ -302,3 +321,14 @@ def keys_said(missing: list[str], unexpected: list[str], shapes: list[str]) -> s
     if shapes:
         parts.append(f"shape mismatches {some(shapes)}")
     return ", ".join(parts)
+
+
+def flat_optim(saved: dict[str, Any]) -> bool:
+    """Whether a checkpoint's optimizer state is keyed per parameter (DCP's
+    flatten_optimizer_state_dict, as pipeline stages save it): its param_groups entries are
+    `optim.param_groups.<parameter name>.<option>`, not `optim.param_groups.<index>.<option>`."""
+    for key in saved:
+        if key.startswith("optim.param_groups."):
+            name = key[len("optim.param_groups.") :].rpartition(".")[0]
+            return f"model.{name}" in saved
+    return False

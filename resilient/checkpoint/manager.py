@@ -73,8 +73,7 @@ class CheckpointManager:
         self._log = get_logger()
         self._loader = Loader(self.storage, self.collectives, config, self._log)
         self.last_committed: int | None = None
-        # failed verification in load_latest: a later save of the step replaces, not skips, them
-        self._rejected: set[int] = set()
+        self._rejected: set[int] = set()  # failed verification: a later save replaces them
         self._kept_good: set[int] = set()  # steps retention said it keeps before a fault
         if config.async_save:
             self._saves.start_threads()
@@ -116,7 +115,7 @@ class CheckpointManager:
         for it.
         """
         self.wait()
-        self._mesh = state.layout  # Manifest.layout of this save (none other is in flight now)
+        self._of = (state.layout, state.unchecked())  # this save's (Manifest.layout, same-name)
         blocking = not self.config.async_save if blocking is None else blocking
         t0 = time.perf_counter()
         self._log.info("ckpt.save.start", step=step, mode="sync" if blocking else "async")
@@ -190,7 +189,8 @@ class CheckpointManager:
         rel = step_dir(step)
         # Before anything is written, and outside the handling of storage failures below: a
         # non-finite state is never a failed save to retry or to train past.
-        check_s = check_agreed(sd, step, self.collectives, self._log, self.last_committed)
+        layout, skip = self._of
+        check_s = check_agreed(sd, step, self.collectives, self._log, self.last_committed, skip)
         try:
             # Every storage call of this save shares one deadline (RetryPolicy.save_budget_s).
             with self.storage.budget(self.config.retry.save_budget_s):
@@ -217,7 +217,7 @@ class CheckpointManager:
                 entries = self.collectives.gather_all(writer.file_checksums)
                 manifest = self.collectives.agree(
                     lambda: write_manifest(
-                        self.storage, step, self.world_size, entries, finite=True, layout=self._mesh
+                        self.storage, step, self.world_size, entries, finite=True, layout=layout
                     )
                 )
         # DCP's CheckpointException is a BaseException: without it, a failed write escaped

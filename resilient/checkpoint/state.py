@@ -25,11 +25,14 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from resilient.checkpoint._state_dicts import StateDicts
 from resilient.checkpoint._torch_compat import no_init_step
@@ -111,10 +114,15 @@ class TrainState:
     layout: str = ""
     """The mesh layout's signature (resilient/mesh/): per-rank state loads rank by rank only
     onto the same world size and layout. "" for a flat data-parallel world."""
+    pipeline: bool = False
+    """A pipeline stage (a "pp" dimension in the mesh): the optimizer state is saved per
+    parameter name (DCP's flatten_optimizer_state_dict), so that each stage's param_groups
+    are keyed by its own parameters' global names and a checkpoint loads onto any split."""
     keep_names: bool = True
     """Keep DCP's parameter names between saves instead of resolving them on every save
     (checked against the live model and optimizer at each use: checkpoint/_state_dicts.py)."""
     _dicts: StateDicts = field(default_factory=StateDicts, init=False, repr=False, compare=False)
+    _own: list[list[str]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def optimizer_is_fresh(self) -> bool:
         """The tracked optimizer has no state yet (it has never stepped)."""
@@ -131,6 +139,15 @@ class TrainState:
         if self.optimizer is not None:
             self.optimizer.state.clear()
 
+    def unchecked(self) -> frozenset[str]:
+        """Keys the save's same-name check leaves out (checkpoint/duplicates.py): a DDP
+        model's buffers when DDP broadcasts them from rank 0 before each forward (BatchNorm's
+        running statistics differ between replicas until then)."""
+        m = self.model
+        if isinstance(m, DistributedDataParallel) and m.broadcast_buffers:
+            return frozenset(f"model.{name}" for name, _ in m.module.named_buffers())
+        return frozenset()
+
     def to_state_dict(self, *, step: int, rank: int) -> dict[str, Any]:
         """The DCP state dict for a save after `step` steps. Tensors are live references."""
         return self._state_dict(step=step, rank=rank, later=False)
@@ -144,7 +161,11 @@ class TrainState:
     def _state_dict(self, *, step: int, rank: int, later: bool) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         if self.model is not None:
-            sd["model"], osd = self._dicts.get(self.model, self.optimizer, keep=self.keep_names)
+            osd: dict[str, Any] | None
+            if self.pipeline and self.optimizer is not None:
+                sd["model"], osd = get_state_dict(self.model, self.optimizer, options=_FLAT)
+            else:
+                sd["model"], osd = self._dicts.get(self.model, self.optimizer, keep=self.keep_names)
             if osd is not None:
                 sd["optim"] = osd
         common = {"step": step, **{k: v.state_dict() for k, v in self.common.items()}}
@@ -154,25 +175,42 @@ class TrainState:
         sd[f"rank{rank}"] = _blob(per_rank, later=later, rng=capture_rng() if self.rng else None)
         return sd
 
-    def load_template(self, *, rank: int, has_rank_blob: bool) -> dict[str, Any]:
-        """A state dict for dcp.load to fill in place."""
+    def load_template(
+        self, *, rank: int, has_rank_blob: bool, flat_optim: bool = False
+    ) -> dict[str, Any]:
+        """A state dict for dcp.load to fill in place. `flat_optim`: the checkpoint's
+        optimizer state is keyed per parameter (saved by pipeline stages)."""
         sd: dict[str, Any] = {}
         if self.model is not None:
             sd["model"] = get_model_state_dict(self.model)
             if self.optimizer is not None:
-                sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+                opts = _FLAT if flat_optim else None
+                sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+                if not flat_optim:  # this rank's parameters of each group, before the load
+                    self._own = [list(g["params"]) for g in sd["optim"]["param_groups"]]
         sd["common"] = b""
         if has_rank_blob:
             sd[f"rank{rank}"] = b""
         return sd
 
-    def apply(self, sd: dict[str, Any], *, rank: int) -> int:
-        """Put a loaded state dict back into the live objects; returns the saved step."""
+    def apply(self, sd: dict[str, Any], *, rank: int, flat_optim: bool | None = None) -> int:
+        """Put a loaded state dict back into the live objects; returns the saved step.
+        `flat_optim`: the optimizer state is keyed per parameter (None: as this state saves
+        it, for a snapshot)."""
+        flat_optim = self.pipeline if flat_optim is None else flat_optim
         if self.model is not None:
             set_model_state_dict(self.model, sd["model"])
             if self.optimizer is not None:
+                osd = sd["optim"]
+                if not flat_optim and self._own is not None:
+                    # a checkpoint of the whole model loaded into one pipeline stage: each
+                    # group keeps the parameters this stage holds (a no-op otherwise)
+                    for g, own in zip(osd["param_groups"], self._own, strict=False):
+                        g["params"] = [p for p in g["params"] if p in set(own)]
                 with no_init_step(self.optimizer):  # no zero-gradient step first: see there
-                    set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
+                    set_optimizer_state_dict(
+                        self.model, self.optimizer, osd, options=_FLAT if flat_optim else None
+                    )
         common = _unpack(sd["common"])
         for k, obj in self.common.items():
             if k in common:
@@ -186,6 +224,9 @@ class TrainState:
             if self.rng and "__rng__" in per_rank:
                 restore_rng(per_rank["__rng__"])
         return int(common["step"])
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _blob(obj: dict[str, Any], *, later: bool, rng: Any = None) -> Any:

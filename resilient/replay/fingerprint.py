@@ -125,8 +125,8 @@ class StepFingerprints:
                 world=self._world,
                 **({"mesh": self.mesh} if self.mesh else {}),
             )
-            if self.check is not None and inputs is not None:
-                self.check.record(step, (inputs, lval))
+            if self.check is not None:  # a later pipeline stage: its loss alone (runtime/stages.py)
+                self.check.record(step, (str(inputs), lval))
 
     def _tensor_hash(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.detach().reshape(-1)

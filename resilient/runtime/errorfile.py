@@ -15,6 +15,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from resilient.errors import CheckpointMismatchError, ConfigError
+from resilient.exitcodes import ExitCode
+from resilient.groups.exits import hard_exit
 from resilient.log import get_logger
 
 __all__ = ["install_excepthook"]
@@ -25,6 +28,9 @@ def install_excepthook(
 ) -> Callable[[], None]:
     """Chain a sys.excepthook that writes the error file and logs; returns an uninstaller.
 
+    A configuration or checkpoint mismatch (ConfigError, CheckpointMismatchError) is recorded
+    and ends the process with ExitCode.MISMATCH: a restart would meet it again, so the
+    supervisor stops instead of restarting it up to the crash-loop limit. Anything else:
     `divert`, when given, sees the exception first and may end the process itself (the
     runtime does for a collective that failed because a peer is gone); if it returns, the
     exception is recorded as usual."""
@@ -34,6 +40,10 @@ def install_excepthook(
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         # a forked child (a DataLoader worker) is not the rank: its errors are not the rank's
         if not issubclass(exc_type, KeyboardInterrupt) and os.getpid() == pid:
+            if isinstance(exc, ConfigError | CheckpointMismatchError):
+                _record(exc, step, exit_code=int(ExitCode.MISMATCH))
+                previous(exc_type, exc, tb)
+                hard_exit(ExitCode.MISMATCH)  # no restart would help: not one of the peers'
             if divert is not None:
                 divert(exc)
             _record(exc, step)
@@ -48,7 +58,9 @@ def install_excepthook(
     return uninstall
 
 
-def _record(exc: BaseException, step: Callable[[], int | None]) -> None:
+def _record(
+    exc: BaseException, step: Callable[[], int | None], *, exit_code: int | None = None
+) -> None:
     try:
         at: Any = step()
     except Exception:  # the runtime may be half torn down; the exception matters more
@@ -58,6 +70,7 @@ def _record(exc: BaseException, step: Callable[[], int | None]) -> None:
         error=f"{type(exc).__name__}: {exc}"[:1000],
         step=at,
         traceback="".join(traceback.format_exception(exc))[-4000:],
+        **({"exit_code": exit_code} if exit_code is not None else {}),
     )
     try:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

@@ -48,6 +48,7 @@ from resilient.runtime.errorfile import install_excepthook
 from resilient.runtime.loops import Loops
 from resilient.runtime.numeric import NumericResponse
 from resilient.runtime.progress import ProgressLog
+from resilient.runtime.stages import agree_split
 from resilient.runtime.stopping import check_preempt
 
 __all__ = ["Runtime", "current", "init"]
@@ -184,10 +185,9 @@ class Runtime(Loops):
 
         `loader` should be a torchdata StatefulDataLoader; iterate it through `batches()`
         so its position and epoch are checkpointed. `global_batch_size` (default: the loader's
-        batch_size x data-parallel degree) is kept on other world sizes and meshes through
-        `grad_accum` micro-batches per step. `mesh`: the world DeviceMesh of a 2-D or 3-D run
-        (default: the DTensor parameters'), dimensions named by role or `mesh_roles`
-        (docs/porting.md#2-d-and-3-d-meshes). `extras` are objects with
+        batch_size x dp degree) is kept on other meshes by `grad_accum`. `mesh`: the world
+        DeviceMesh, dimensions named by role or `mesh_roles` (docs/porting.md#2-d-and-3-d-meshes;
+        default: the DTensor parameters'). `extras` are objects with
         state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
         With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's gradient
         buckets, a collective on DDP's process group: every rank calls track(), before the
@@ -202,6 +202,7 @@ class Runtime(Loops):
             )
         self.layout = wiring.layout(model, mesh, mesh_roles, self.ctx, self.log)
         self._fp.mesh = self.layout.signature()
+        stage = agree_split(model, self.layout, self.ctx, self.log)  # None: no pp in the mesh
         common: dict[str, StatefulLike] = dict(extras)
         common["__numeric_skipped__"] = self.numeric.skipped
         if scheduler is not None:
@@ -229,7 +230,7 @@ class Runtime(Loops):
             common["__data__"] = self._data
         per_rank["__loss_mean__"] = self.numeric.loss_mean  # spike detection's running mean
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
-        self.state.layout = self.layout.signature()
+        self.state.layout, self.state.pipeline = self.layout.signature(), stage is not None
         self.snapshots.track(self.state, self.layout)  # ConfigError when the copies do not fit
         if model is not None and self.config.pin_ddp_buckets:
             wiring.pin_ddp_buckets(model, self.log)
@@ -238,8 +239,8 @@ class Runtime(Loops):
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer)
-        if model is not None:  # each step's first forward inputs: its fingerprint
-            self._hooks.append(self._fp.attach(model))
+        if model is not None and not stage:  # each step's first forward inputs: its
+            self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)
 
     # ------------------------------------------------------------------ the loop
     def resume(self) -> int:

@@ -135,6 +135,9 @@ class Supervisor:
         numeric = [r for r in roots if r.exit_code == ExitCode.NUMERICAL_FAULT]
         if numeric:
             return self._numerical_fault(att, numeric)
+        mismatch = [r for r in roots if r.exit_code == ExitCode.MISMATCH]
+        if mismatch:
+            return self._mismatch(att, mismatch)
         d = self.tracker.on_failure(restarts_left=restarts_left)
         if att is not None:
             att.progress = d.progress
@@ -201,6 +204,27 @@ class Supervisor:
             "failed",
             "stop: numerical fault",
             Verdict("stop", code=int(ExitCode.NUMERICAL_FAULT)),
+        )
+
+    def _mismatch(self, att: AttemptRecord | None, roots: list[RankFailure]) -> Verdict:
+        """Stop with MISMATCH: the checkpoint or the configuration does not fit the script,
+        and a restart would load the same checkpoint into the same script again."""
+        first = roots[0]
+        self.report.reason = (
+            f"rank {first.rank} exited MISMATCH ({int(ExitCode.MISMATCH)}): {first.error}; "
+            "a restart would meet it again, so it was not restarted. Fix the script or the "
+            "checkpoint location"
+        )
+        self.log.error(
+            "restart.mismatch",
+            ranks=[r.rank for r in roots],
+            step=first.step,
+            error=first.error,
+            action="stop",
+            reason=self.report.reason,
+        )
+        return self._decided(
+            att, "failed", "stop: mismatch", Verdict("stop", code=int(ExitCode.MISMATCH))
         )
 
     def _decided(

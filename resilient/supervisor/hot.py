@@ -57,6 +57,10 @@ _NAMED_EXIT_GRACE_S = 10.0
 dumps its stacks and exits by itself) may take before its agent SIGKILLs it."""
 
 
+_STOPS = frozenset({int(ExitCode.NUMERICAL_FAULT), int(ExitCode.MISMATCH)})
+"""Exit codes that stop the run: a restart, hot or cold, would meet the same cause again."""
+
+
 class HotReplacer:
     """One agent's hot recoveries within a rendezvous round (see module doc).
 
@@ -118,7 +122,7 @@ class HotReplacer:
         lost process) when the group must restart or stop."""
         if any(c == ExitCode.PREEMPTED for c in failed.values()):
             return False  # a coordinated stop, not a lost process
-        if any(c == ExitCode.NUMERICAL_FAULT for c in failed.values()):
+        if any(c in _STOPS for c in failed.values()):
             return False  # not a lost process either: the run stops (hooks.py)
         t0 = time.monotonic()
         (lr, code), *_ = failed.items()
@@ -294,7 +298,7 @@ class HotReplacer:
         roots = {lr: c for lr, c in codes.items() if c != -signal.SIGTERM} or codes
         if not roots or any(c == ExitCode.PREEMPTED for c in roots.values()):
             return {}
-        if any(c == ExitCode.NUMERICAL_FAULT for c in roots.values()):
+        if any(c in _STOPS for c in roots.values()):
             return roots  # no recovery at all: the run stops (hooks.py)
         (lr, code), *_ = roots.items()
         reason = f"{len(roots)} workers failed at once" if len(roots) > 1 else None

@@ -306,6 +306,8 @@ def _supervise(
         return int(stop_code), "crash loop", None
     if stop_code == ExitCode.NUMERICAL_FAULT:
         return int(stop_code), "numerical fault", None
+    if stop_code == ExitCode.MISMATCH:
+        return int(stop_code), "mismatch", None
     if stop_code is not None:
         return int(stop_code), "failed", None
     return int(ExitCode.RESTARTS_EXHAUSTED), "failed", "restarts exhausted"

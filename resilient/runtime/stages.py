@@ -1,0 +1,85 @@
+"""Pipeline stages: the split of the model's layers, checked once at `track()`.
+
+A pipeline stage keeps the whole model's module names and holds only its own layers, so its
+state dict is the model's, less the other stages' keys (docs/porting.md#pipelines). Every
+rank of one stage (its data-parallel and tensor-parallel peers) must hold the same keys, and
+two stages must not both hold one: either would be a split that differs between ranks of one
+attempt, and its checkpoint would hold a layer twice or not at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from resilient.errors import ConfigError
+from resilient.mesh import MeshLayout
+
+__all__ = ["agree_split", "check_split", "stage_of"]
+
+
+def stage_of(layout: MeshLayout, rank: int) -> int:
+    """`rank`'s coordinate along the mesh's pp dimension (0 without one)."""
+    for d, c in zip(layout.dims, layout.coords(rank), strict=True):
+        if d.role == "pp":
+            return c
+    return 0
+
+
+def agree_split(model: nn.Module | None, layout: MeshLayout, ctx: Any, log: Any) -> int | None:
+    """This rank's stage (its pp coordinate) when the run is pipelined (a pp dimension of
+    size > 1 in `layout`), else None; a pipelined run's split is checked over the checkpoint
+    group of `ctx` and logged as `pipeline.split`.
+
+    The replay fingerprints of a pipeline are the first stage's inputs and the last stage's
+    loss: a later stage's first forward in each process is torch's shape inference on
+    uninitialised tensors (PipelineStage without input_args), not the step's activations."""
+    if layout.size("pp") <= 1:
+        return None
+    stage = stage_of(layout, ctx.rank)
+    if model is not None and ctx.distributed:
+        split = check_split(model, layout, ctx.rank, ctx.checkpoint_group)
+        log.info("pipeline.split", stage=stage, keys=split)
+    return stage
+
+
+def check_split(model: nn.Module, layout: MeshLayout, rank: int, group: Any) -> dict[str, Any]:
+    """Agree the layers each stage holds over `group` (every rank calls it); the split as
+    {stage: number of keys} for the event. ConfigError on every rank, naming the ranks and
+    the keys, when ranks of one stage hold other keys or two stages hold one key."""
+    keys = sorted(get_model_state_dict(model))
+    mine = (stage_of(layout, rank), keys)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    by_stage: dict[int, tuple[int, set[str]]] = {}
+    problems: list[str] = []
+    for r, (stage, held) in enumerate(every):
+        first = by_stage.setdefault(stage, (r, set(held)))
+        if first[1] != set(held):
+            diff = sorted(first[1] ^ set(held))
+            problems.append(
+                f"ranks {first[0]} and {r} are both stage {stage} but hold other layers "
+                f"(keys only one of them holds: {diff[:6]}{'...' if len(diff) > 6 else ''})"
+            )
+    stages = sorted(by_stage)
+    for i, a in enumerate(stages):
+        for b in stages[i + 1 :]:
+            both = sorted(by_stage[a][1] & by_stage[b][1])
+            if both:
+                problems.append(
+                    f"stages {a} and {b} both hold {both[:6]}{'...' if len(both) > 6 else ''}"
+                )
+    if problems:
+        raise ConfigError(
+            "the pipeline split differs between ranks of this attempt: "
+            + "; ".join(problems[:4])
+            + ". Every rank must compute the same split (the same stage boundaries from the "
+            "same arguments), each stage keeping only its own layers under the model's names: "
+            "stages that number their own layers from 0 all hold '0.weight'; keep the whole "
+            "model and replace the other stages' layers by nn.Identity() "
+            "(docs/porting.md#pipelines)"
+        )
+    return {str(s): len(by_stage[s][1]) for s in stages}
