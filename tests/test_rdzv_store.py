@@ -397,7 +397,8 @@ def _three_hosts_lose_the_first(tmp: Path, *, steps: int, restart_store: bool) -
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 100-125 s at a load average of 10; over 300 s at 40
+@pytest.mark.extended  # CI's budget: 100-125 s at a load average of 10
+@pytest.mark.timeout(600)  # over 300 s at 40
 def test_three_hosts_the_first_one_dies_the_other_two_finish(tmp_path: Path) -> None:
     t0 = time.monotonic()
     _three_hosts_lose_the_first(tmp_path, steps=STEPS, restart_store=False)
@@ -413,6 +414,7 @@ def test_three_hosts_survive_a_store_restart_then_the_first_one_dying(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's budget: 49 s
 @pytest.mark.timeout(120)
 def test_a_round_through_torchs_etcd_v2_backend(tmp_path: Path) -> None:
     """torch's etcd-v2 handler, as `resilient run --rdzv-backend etcd-v2` builds it, forms a
