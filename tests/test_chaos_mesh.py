@@ -1,7 +1,7 @@
 """The chaos harness on device meshes (issue 36, chaos/mesh.py): scenarios of
 recipes/train_nd.py with a `mesh`, the `resize` fault, the sample check and the soak's mesh
-draws. The scenarios themselves run in tests/test_chaos.py's matrix (CI: mesh_tp_kill,
-mesh_hsdp_kill, mesh_tp_hot; the rest in `make soak`); what is here takes milliseconds.
+draws. The scenarios themselves run in tests/test_chaos.py's matrix (CI: mesh_tp_kill and
+mesh_hsdp_kill; the rest in `make soak`); what is here takes milliseconds.
 """
 
 from __future__ import annotations
