@@ -185,47 +185,55 @@ class Supervisor:
         the same data and meet the same non-finite value again."""
         first = roots[0]
         where = f" at step {first.step}" if first.step is not None else ""
-        self.report.reason = (
+        return self._stop(
+            att,
+            roots,
+            ExitCode.NUMERICAL_FAULT,
             f"rank {first.rank} exited NUMERICAL_FAULT ({int(ExitCode.NUMERICAL_FAULT)}){where}: "
             "a non-finite loss, gradient or checkpoint value that a restart from the same "
             "checkpoint would meet again; not restarted. Fix the data or the model; every "
-            "good checkpoint is kept"
-        )
-        self.log.error(
-            "restart.numerical_fault",
-            ranks=[r.rank for r in roots],
-            step=first.step,
-            error=first.error,
-            action="stop",
-            reason=self.report.reason,
-        )
-        return self._decided(
-            att,
-            "failed",
-            "stop: numerical fault",
-            Verdict("stop", code=int(ExitCode.NUMERICAL_FAULT)),
+            "good checkpoint is kept",
+            event="restart.numerical_fault",
+            label="stop: numerical fault",
         )
 
     def _mismatch(self, att: AttemptRecord | None, roots: list[RankFailure]) -> Verdict:
         """Stop with MISMATCH: the checkpoint or the configuration does not fit the script,
         and a restart would load the same checkpoint into the same script again."""
         first = roots[0]
-        self.report.reason = (
+        return self._stop(
+            att,
+            roots,
+            ExitCode.MISMATCH,
             f"rank {first.rank} exited MISMATCH ({int(ExitCode.MISMATCH)}): {first.error}; "
             "a restart would meet it again, so it was not restarted. Fix the script or the "
-            "checkpoint location"
+            "checkpoint location",
+            event="restart.mismatch",
+            label="stop: mismatch",
         )
+
+    def _stop(
+        self,
+        att: AttemptRecord | None,
+        roots: list[RankFailure],
+        code: ExitCode,
+        reason: str,
+        *,
+        event: str,
+        label: str,
+    ) -> Verdict:
+        """Stop with `code` for a failure a restart would meet again, said in `event`."""
+        first = roots[0]
+        self.report.reason = reason
         self.log.error(
-            "restart.mismatch",
+            event,
             ranks=[r.rank for r in roots],
             step=first.step,
             error=first.error,
             action="stop",
-            reason=self.report.reason,
+            reason=reason,
         )
-        return self._decided(
-            att, "failed", "stop: mismatch", Verdict("stop", code=int(ExitCode.MISMATCH))
-        )
+        return self._decided(att, "failed", label, Verdict("stop", code=int(code)))
 
     def _decided(
         self, att: AttemptRecord | None, outcome: str, action: str, verdict: Verdict
