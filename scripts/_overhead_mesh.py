@@ -47,6 +47,8 @@ def mesh_worker(args: argparse.Namespace) -> None:
     from recipes.common.model import GPT, GPTConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # its imports
+    from bench_overhead import interleaved  # scripts/ is on the path: it launched this worker
+
     from recipes.train_nd import MESH_DIMS, parallelize
 
     ckpt = str(Path(args.out).parent / "ckpt") if args.out else tempfile.mkdtemp()
@@ -117,24 +119,8 @@ def mesh_worker(args: argparse.Namespace) -> None:
         run_block(name, args.warmup, [], [])
     boundary.clear()
     dist.barrier()
-    paired: dict[str, list[float]] = {"again": [], "resilient": []}
-    cpu_paired: dict[str, list[float]] = {"again": [], "resilient": []}
-    times: dict[str, list[float]] = {k: [] for k in names}
     wall0, cpu0 = time.perf_counter(), rt.watchdog.cpu_s
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        block: dict[str, list[float]] = {}
-        block_cpu: dict[str, list[float]] = {}
-        for name in order:
-            dist.barrier()  # every block starts together
-            block[name], block_cpu[name] = [], []
-            run_block(name, args.block, block[name], block_cpu[name])
-            times[name] += block[name]
-        for v in paired:
-            paired[v].append(statistics.median(block[v]) / statistics.median(block["bare"]))
-            cpu_paired[v].append(
-                statistics.median(block_cpu[v]) / statistics.median(block_cpu["bare"])
-            )
+    times, paired, cpu_paired = interleaved(names, args.rounds, args.block, run_block)
     thread_cpu = rt.watchdog.cpu_s - cpu0
     wall = time.perf_counter() - wall0
     for _ in steps:  # steps() ends cleanly

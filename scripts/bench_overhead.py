@@ -394,28 +394,11 @@ def worker(args: argparse.Namespace) -> None:
         all_reduce(vote, op=dist.ReduceOp.MAX, group=rt.ctx.control_group)
 
     names = ["bare", "again", "guard", "micro"]
-    times: dict[str, list[float]] = {k: [] for k in names}
-    paired: dict[str, list[float]] = {"again": [], "guard": [], "micro": []}
-    cpu_paired: dict[str, list[float]] = {"again": [], "guard": [], "micro": []}
     for name in names:
         run_block(name, args.warmup, None)
     dist.barrier()
     wall0, cpu0 = time.perf_counter(), rt.watchdog.cpu_s
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        block: dict[str, list[float]] = {}
-        block_cpu: dict[str, list[float]] = {}
-        for name in order:
-            dist.barrier()  # start every block together
-            block[name], block_cpu[name] = [], []
-            run_block(name, args.block, block[name], block_cpu[name])
-            times[name] += block[name]
-        # the machine's load drifts: compare each variant with the bare block next to it
-        for v in paired:
-            paired[v].append(statistics.median(block[v]) / statistics.median(block["bare"]))
-            cpu_paired[v].append(
-                statistics.median(block_cpu[v]) / statistics.median(block_cpu["bare"])
-            )
+    times, paired, cpu_paired = interleaved(names, args.rounds, args.block, run_block)
     wall = time.perf_counter() - wall0
     thread_cpu = rt.watchdog.cpu_s - cpu0
     for _ in steps:  # drain the generator: steps() ends cleanly
@@ -520,6 +503,35 @@ def worker(args: argparse.Namespace) -> None:
     if rt.rank == 0 and args.out:
         Path(args.out).write_text(json.dumps(result))
     rt.close()
+
+
+def interleaved(
+    names: list[str], rounds: int, block: int, run_block: Any
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+    """`rounds` rounds of one block of `block` steps per variant, the order rotated each
+    round, every block started together (a barrier). Returns each variant's step times and,
+    per round, each variant's median wall and CPU time over the bare block's next to it (the
+    machine's load drifts: a variant is compared with the bare block of its own round).
+    `names[0]` is the bare loop; `run_block(name, n, times, cpu)` runs and times n steps."""
+    import torch.distributed as dist
+
+    bare = names[0]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    paired: dict[str, list[float]] = {k: [] for k in names[1:]}
+    cpu_paired: dict[str, list[float]] = {k: [] for k in names[1:]}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        wall: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}
+        for name in order:
+            dist.barrier()  # start every block together
+            wall[name], cpu[name] = [], []
+            run_block(name, block, wall[name], cpu[name])
+            times[name] += wall[name]
+        for v in paired:
+            paired[v].append(statistics.median(wall[v]) / statistics.median(wall[bare]))
+            cpu_paired[v].append(statistics.median(cpu[v]) / statistics.median(cpu[bare]))
+    return times, paired, cpu_paired
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
