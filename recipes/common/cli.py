@@ -108,7 +108,14 @@ def build_loader(args: argparse.Namespace, rank: int, world_size: int) -> Statef
 
 
 def device_for(local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    """cuda:<local rank> where a GPU exists, with deterministic kernels: a bitwise resume needs
+    the same bits from the same inputs, which some CUDA kernels (atomics) and cuBLAS's
+    workspace choice do not give by default. CPU kernels are deterministic already."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first use
+    torch.use_deterministic_algorithms(True)
+    return torch.device("cuda", local_rank)
 
 
 def write_digest(rt: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
