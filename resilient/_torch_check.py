@@ -17,6 +17,7 @@ with RESILIENT_UNTESTED_TORCH=1 too.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -110,19 +111,29 @@ def require_params(func: Any, params: Iterable[str], *, feature: str) -> None:
 
 
 def require_self_attrs(cls: type, names: Iterable[str], *, feature: str) -> None:
-    """Instances of `cls` get these attributes: its source (its own or a base class's) assigns
-    `self.<name>`. Instance attributes set in `__init__` cannot be checked on the class."""
+    """Instances of `cls` get these attributes: the source files of its torch classes (its
+    own or a base class's) assign `self.<name>`. Instance attributes set in `__init__` cannot
+    be checked on the class. Whole files, read once: `inspect.getsource(cls)` parses its
+    module to find a class, about 0.3 s for DDP's bases, at every process start."""
     sources = []
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch"):
             try:
-                sources.append(inspect.getsource(klass))
+                sources.append(_source_file(inspect.getsourcefile(klass)))
             except (OSError, TypeError):
                 raise missing(f"readable source for {_name(klass)}", feature) from None
     text = "\n".join(sources)
     for n in names:
         if f"self.{n} =" not in text and f"self.{n}:" not in text:
             raise missing(f"{_name(cls)}.{n}", feature)
+
+
+@functools.cache
+def _source_file(path: str | None) -> str:
+    if path is None:
+        raise OSError("no source file")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def check_release(version: str, *, allow_untested: bool = False) -> None:
