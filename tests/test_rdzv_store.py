@@ -473,3 +473,106 @@ def test_a_round_through_torchs_etcd_v2_backend(tmp_path: Path) -> None:
         assert h.shutdown()
     finally:
         _stop(proc)
+
+
+def _etcd_cluster(tmp: Path, members: int) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    """`members` etcd 3.4 processes on loopback forming one cluster, v2 API on."""
+    clients = [free_port() for _ in range(members)]
+    peers = [free_port() for _ in range(members)]
+    cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
+    procs = []
+    for i in range(members):
+        cmd = [
+            "etcd",
+            f"--name=m{i}",
+            f"--data-dir={tmp / f'etcd-m{i}'}",
+            f"--listen-client-urls=http://127.0.0.1:{clients[i]}",
+            f"--advertise-client-urls=http://127.0.0.1:{clients[i]}",
+            f"--listen-peer-urls=http://127.0.0.1:{peers[i]}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peers[i]}",
+            f"--initial-cluster={cluster}",
+            "--initial-cluster-state=new",
+            "--enable-v2=true",
+        ]
+        with (tmp / f"etcd-m{i}.log").open("ab") as out:
+            procs.append(spawn(cmd, stdout=out, stderr=subprocess.STDOUT))
+    return procs, clients
+
+
+def _etcd_leader(ports: list[int]) -> int | None:
+    """Index in `ports` of the member that says it leads, None if none answers so."""
+    for i, port in enumerate(ports):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if _etcd_get(port, "/v2/stats/self")["state"] == "StateLeader":
+                return i
+    return None
+
+
+def _etcd_get(port: int, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", data, timeout=5) as r:
+        return dict(json.loads(r.read()))
+
+
+def _etcd_move_leader(leader_port: int, to_port: int) -> None:
+    """Leadership to the member serving `to_port`, through the v3 gateway of the leader."""
+    target = int(_etcd_get(to_port, "/v2/stats/self")["id"], 16)
+    _etcd_get(leader_port, "/v3/maintenance/transfer-leadership", {"targetID": str(target)})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)  # 10-15 s here
+def test_a_lost_etcd_member_changes_nothing_for_torchs_etcd_v2_backend(tmp_path: Path) -> None:
+    """A three-member etcd cluster; torch's etcd-v2 handler forms a round through member 0,
+    which is made the leader and SIGKILLed: once the other two have elected a leader, the
+    round's store has every key (python-etcd reconnects to a member it learnt at connect),
+    takes new ones, and the next round forms."""
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd binary (Debian: apt-get install etcd-server)")
+    pytest.importorskip("etcd", reason="torch's etcd-v2 backend needs python-etcd")
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    procs, ports = _etcd_cluster(tmp_path, 3)
+    try:
+        endpoint = f"127.0.0.1:{ports[0]}"
+        check_external(
+            "etcd-v2", endpoint, run_id="etcd-ha", fingerprint="a", command="job a", wait_s=60
+        )
+        params = RendezvousParameters(
+            backend="etcd-v2",
+            endpoint=endpoint,
+            run_id="etcd-ha",
+            min_nodes=1,
+            max_nodes=1,
+            last_call_timeout="1",
+        )
+        h = StoreOutliving(
+            lambda: registry.get_rendezvous_handler(params),
+            log=_Log(),
+            endpoint=params.endpoint,
+            join_timeout_s=60,
+        )
+        info = h.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("before", "1")
+        # the worst member to lose: the leader (an election follows), and the handler's own
+        wait_for(lambda: _etcd_leader(ports) is not None, timeout=30, what="an etcd leader")
+        leader = _etcd_leader(ports)
+        if leader is not None and leader != 0:  # the handler's member leads: lose both at once
+            _etcd_move_leader(ports[leader], ports[0])
+            wait_for(lambda: _etcd_leader(ports) == 0, timeout=30, what="member 0 leading")
+        procs[0].kill()
+        procs[0].wait(timeout=10)
+        # a request during the election can fail (etcd's "request timed out"): once the
+        # survivors have a leader, about a second here, the store is all there
+        wait_for(lambda: _etcd_leader(ports[1:]) is not None, timeout=30, what="a new leader")
+        assert bytes(info.store.get("before")) == b"1"  # read through another member
+        info.store.set("after", "2")
+        assert bytes(info.store.get("after")) == b"2"
+        again = h.next_rendezvous()  # the next round, member 0 still gone
+        assert (again.rank, again.world_size) == (0, 1)
+        assert h.shutdown()
+    finally:
+        _stop(*procs)
