@@ -429,6 +429,26 @@ def test_three_hosts_survive_a_store_restart_then_the_first_one_dying(tmp_path: 
     _hosts_lose_the_first(tmp_path, steps=80, restart_store=True)
 
 
+def _etcd_handler(endpoint: str, run_id: str) -> StoreOutliving:
+    """torch's etcd-v2 handler for a round of one node, as `resilient run` wraps it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    params = RendezvousParameters(
+        backend="etcd-v2",
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=1,
+        last_call_timeout="1",
+    )
+    return StoreOutliving(
+        lambda: registry.get_rendezvous_handler(params),
+        log=_Log(),
+        endpoint=params.endpoint,
+        join_timeout_s=60,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # CI's budget: 49 s
 @pytest.mark.timeout(120)
@@ -438,8 +458,6 @@ def test_a_round_through_torchs_etcd_v2_backend(tmp_path: Path) -> None:
     if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (Debian: apt-get install etcd-server)")
     pytest.importorskip("etcd", reason="torch's etcd-v2 backend needs python-etcd")
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
-
     port = free_port()
     proc = _etcd(tmp_path, port, v2=True)
     try:
@@ -451,20 +469,7 @@ def test_a_round_through_torchs_etcd_v2_backend(tmp_path: Path) -> None:
             command="job a",
             wait_s=30,
         )
-        params = RendezvousParameters(
-            backend="etcd-v2",
-            endpoint=f"127.0.0.1:{port}",
-            run_id="etcd-round",
-            min_nodes=1,
-            max_nodes=1,
-            last_call_timeout="1",
-        )
-        h = StoreOutliving(
-            lambda: registry.get_rendezvous_handler(params),
-            log=_Log(),
-            endpoint=params.endpoint,
-            join_timeout_s=60,
-        )
+        h = _etcd_handler(f"127.0.0.1:{port}", "etcd-round")
         info = h.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
         info.store.set("k", "v")
@@ -532,28 +537,13 @@ def test_a_lost_etcd_member_changes_nothing_for_torchs_etcd_v2_backend(tmp_path:
     if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (Debian: apt-get install etcd-server)")
     pytest.importorskip("etcd", reason="torch's etcd-v2 backend needs python-etcd")
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
-
     procs, ports = _etcd_cluster(tmp_path, 3)
     try:
         endpoint = f"127.0.0.1:{ports[0]}"
         check_external(
             "etcd-v2", endpoint, run_id="etcd-ha", fingerprint="a", command="job a", wait_s=60
         )
-        params = RendezvousParameters(
-            backend="etcd-v2",
-            endpoint=endpoint,
-            run_id="etcd-ha",
-            min_nodes=1,
-            max_nodes=1,
-            last_call_timeout="1",
-        )
-        h = StoreOutliving(
-            lambda: registry.get_rendezvous_handler(params),
-            log=_Log(),
-            endpoint=params.endpoint,
-            join_timeout_s=60,
-        )
+        h = _etcd_handler(endpoint, "etcd-ha")
         info = h.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
         info.store.set("before", "1")
