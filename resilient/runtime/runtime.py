@@ -90,14 +90,14 @@ class Runtime(Loops):
             timeout_s=config.pg_timeout_s,
             side_timeout_s=config.side_timeout_s,
             store=carry.store(),
-            # a hot generation: every rank waits for the others before the groups form, and
-            # names one that does not come (hot/reform.py)
+            # a hot generation: a roll call of every rank before the groups form (hot/reform.py)
             before_group=(
                 (lambda st, r, w: reform.roll_call(st, r, w, config.watchdog, mode))
                 if mode.rejoining
                 else None
             ),
             generation=mode.generation,
+            connect_side=mode.enabled,  # hot: no wait on a pair that never connected
         )
         self.log = log.get_logger()
         self.state = TrainState()
