@@ -103,7 +103,7 @@ def _hot_formed(out: Path, killed_at: int) -> dict[int, dict[str, Any]]:
     return formed
 
 
-# make soak: after the stall's fix, 3 of 12 runs of this fault (HSDP only) hung in a
+# make soak: after the stall's fix, 4 of 15 runs of this fault (HSDP only) hung in a
 # survivor's garbage collection of its old groups (docs/hot-recovery.md, still open)
 @pytest.mark.extended
 def test_an_hsdp_rank_killed_is_recovered_hot_from_its_replicate_peer(
