@@ -186,9 +186,20 @@ def connect_pairs(group: Any, world: int) -> None:
     dist.barrier(group=group)
 
 
-def abandon_distributed(ctx: DistContext) -> None:
+_LEFT_BEHIND: list[Any] = []
+"""The side groups of the generations this process left (hot recovery), never released."""
+
+
+def abandon_distributed(ctx: DistContext, *also: Any) -> None:
     """Leave the process groups of a generation that lost a peer: no barrier (the peer is
-    gone), just destroy what this process holds."""
+    gone), just destroy what this process holds. Its side groups (and `also`: the replica
+    group) stay referenced for the process's life, as torch's DTensor caches keep a mesh's:
+    a gloo group's destructor joins its worker threads, and one of them may still wait in a
+    collective of the lost generation that nothing ends. Run by the garbage collection that
+    follows a survivor's unwinding, that join hung 4 of 15 HSDP recoveries
+    (docs/hot-recovery.md). The cost: a few sockets and threads per recovery, at most
+    `--hot-max` per attempt."""
+    _LEFT_BEHIND.append((ctx.control_group, ctx.checkpoint_group, *also))
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

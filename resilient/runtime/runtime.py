@@ -301,7 +301,7 @@ class Runtime(Loops):
             self.lost_save = self._saved_step
         with contextlib.suppress(BaseException):
             self.checkpoints.close()
-        abandon_distributed(self.ctx)
+        abandon_distributed(self.ctx, None if replicas is None else replicas.group)
         return True
 
     def save(self, *, blocking: bool | None = None) -> None:
