@@ -10,8 +10,7 @@ run of the same mesh, shared by the module's tests:
   shard group and left), and the one no survivor met (docs/hot-recovery.md: every survivor
   waited on another, through the save in flight; it turned 2 of 3 runs of this fault cold
   before the fix). The replacement's shards come from its replicate peer's own snapshot, and
-  no rank keeps a second copy of a shard. Extended: a survivor can still hang after it left
-  (docs/hot-recovery.md, "still open");
+  no rank keeps a second copy of a shard. Extended (CI's budget; docs/hot-recovery.md);
 - dp x tp, rank 3 killed at step 5: hot, its shards from its buddy's whole replica (this
   fault met the stall in 2 of 3 runs on the loaded 2-core machine before the fix; in CI);
 - HSDP with the SDC check on, a bit flipped in rank 2's shard: the check compares within each
@@ -103,8 +102,8 @@ def _hot_formed(out: Path, killed_at: int) -> dict[int, dict[str, Any]]:
     return formed
 
 
-# make soak: after the stall's fix, 4 of 15 runs of this fault (HSDP only) hung in a
-# survivor's garbage collection of its old groups (docs/hot-recovery.md, still open)
+# make soak: CI's budget (161 s with its fault-free run), and a hang in a survivor's garbage
+# collection that 4 of 15 runs met before its fix (docs/hot-recovery.md): 12 of 12 since
 @pytest.mark.extended
 def test_an_hsdp_rank_killed_is_recovered_hot_from_its_replicate_peer(
     golden: dict[tuple[int, int, int], str], tmp_path: Path
