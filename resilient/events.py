@@ -45,6 +45,7 @@ __all__ = [
     "RECOVERY_HOT_REPLACE",
     "RECOVERY_HOT_SEVER",
     "RECOVERY_HOT_SPARE",
+    "RECOVERY_HOT_STUCK",
     "RESUME_DIVERGED",
     "RESUME_UNVERIFIED",
     "RESUME_VERIFIED",
@@ -142,6 +143,9 @@ RECOVERY_HOT_SEVER = "recovery.hot.sever"
 connections to them, so that its collective fails and it goes hot too (hang/departed.py)."""
 RECOVERY_HOT_SPARE = "recovery.hot.spare"
 """The agent started its next warm spare after a hot replacement (and why then)."""
+RECOVERY_HOT_STUCK = "recovery.hot.stuck"
+"""A rank whose main thread had not moved when the agent started the next generation said so
+with its connections, so that its peers cut them and it goes hot too (hang/departed.py)."""
 RECOVERY_COLD = "recovery.cold"
 DETECTION = (
     HANG_DETECTED,

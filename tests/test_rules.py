@@ -289,3 +289,49 @@ def test_sever_ends_a_wait_on_exactly_the_connections_to_the_named_endpoints() -
     finally:
         for s in [*peers, *accepted, server]:
             s.close()
+
+
+def test_a_stuck_rank_says_so_once_its_generation_is_over_and_cuts_the_others_who_did() -> None:
+    """hang/departed.py: no survivor left, but the agent published the next generation
+    (`generation_over`): a rank whose main thread has not moved appends itself to the `left`
+    key (stuck), once, and cuts its connections to every other rank there, which ends its
+    wait on them. Before the generation is over, or while its main thread moves, nothing."""
+    import json
+    import socket
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from resilient.hang.departed import Departures, generation_over
+    from resilient.hang.phases import Progress
+
+    launcher = dist.HashStore()
+    store = dist.PrefixStore(storekeys.WATCHDOG, launcher)
+    hot = HotMode(enabled=True, generation=0, attempt="7")
+    deps = Departures(0, stuck_s=0.05, lost=generation_over(launcher, hot))
+    progress = Progress()
+    server = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(server.getsockname())  # rank 2's end
+    mine = server.accept()[0]  # rank 0's end, waited on
+    try:
+        progress.since = time.monotonic()
+        assert deps.poll(store, progress) == 0  # moving: nothing
+        progress.since -= 1.0
+        assert deps.poll(store, progress) == 0 and not store.check([storekeys.LEFT])
+        launcher.set(hot.keys.published(), "1")  # the agent started generation 1
+        line = {"rank": 2, "step": 5, "endpoints": [list(peer.getsockname())], "stuck": True}
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(mine.recv(1)))
+        reader.start()
+        store.append(storekeys.LEFT, json.dumps(line) + "\n")
+        assert deps.poll(store, progress) == 1  # said so, and cut rank 2
+        reader.join(timeout=5)
+        assert got == [b""]
+        lines = [json.loads(x) for x in bytes(store.get(storekeys.LEFT)).decode().splitlines()]
+        assert [(x["rank"], x["stuck"]) for x in lines] == [(2, True), (0, True)]
+        assert deps.poll(store, progress) == 0  # once
+        assert len(bytes(store.get(storekeys.LEFT)).decode().splitlines()) == 2
+    finally:
+        for s in (peer, mine, server):
+            s.close()

@@ -43,6 +43,7 @@ __all__ = [
     "ENV_ATTEMPT",
     "DistContext",
     "abandon_distributed",
+    "connect_pairs",
     "init_distributed",
     "shutdown_distributed",
 ]
@@ -85,13 +86,15 @@ def init_distributed(
     store: Any = None,
     before_group: Callable[[Any, int, int], None] | None = None,
     generation: int = 0,
+    connect_side: bool = False,
 ) -> DistContext:
     """Join the group torchrun describes in the environment; a single process without it.
 
     `store`: this process's existing connection to the launcher's store (a hot re-run keeps
     it), instead of a new one. `before_group(store, rank, world)` runs before the process
     group forms (the hot roll call). `generation`: a hot recovery's generation, whose groups
-    live under their own store prefix. Raises ConfigError when the environment is incomplete.
+    live under their own store prefix. `connect_side`: connect the side groups' pairs now
+    (`connect_pairs`; hot recovery). Raises ConfigError when the environment is incomplete.
     Waits up to `timeout_s` for peers.
     """
     _, restart, run_id = env_identity()
@@ -147,6 +150,9 @@ def init_distributed(
     with lazy_gloo_connections():  # pairs connect at first use: O(N log N), not N(N-1)
         control = dist.new_group(backend="gloo", timeout=side)
         ckpt = dist.new_group(backend="gloo", timeout=side)
+    if connect_side:
+        for group in (control, ckpt):
+            connect_pairs(group, world)
     return DistContext(
         rank=rank,
         world_size=world,
@@ -162,9 +168,38 @@ def init_distributed(
     )
 
 
-def abandon_distributed(ctx: DistContext) -> None:
+def connect_pairs(group: Any, world: int) -> None:
+    """Run one collective of each kind the runtime runs on `group` (a side group of the
+    whole world, made with lazy connections), so that every pair they use connects now,
+    while every rank is alive. gloo's algorithms use the same pairs each time (a ring for
+    all-reduce and all-gather, rank 0 with each rank for gather, scatter, broadcast from
+    rank 0 and the monitored barrier). Under hot recovery this keeps each later wait on a
+    peer a wait on an open connection: the kernel closes a dead peer's end, and a survivor
+    can cut one to a survivor (hang/departed.py). A pair that never connected offers
+    neither: its wait for the connection lasts the group's timeout (docs/hot-recovery.md)."""
+    one, rank = torch.zeros(1), dist.get_rank()
+    dist.all_reduce(one, group=group)
+    dist.all_gather([torch.zeros(1) for _ in range(world)], one, group=group)
+    dist.broadcast(one, src=0, group=group)
+    dist.gather(one, [torch.zeros(1) for _ in range(world)] if rank == 0 else None, group=group)
+    dist.scatter(one, [torch.zeros(1) for _ in range(world)] if rank == 0 else None, group=group)
+    dist.barrier(group=group)
+
+
+_LEFT_BEHIND: list[Any] = []
+"""The side groups of the generations this process left (hot recovery), never released."""
+
+
+def abandon_distributed(ctx: DistContext, *also: Any) -> None:
     """Leave the process groups of a generation that lost a peer: no barrier (the peer is
-    gone), just destroy what this process holds."""
+    gone), just destroy what this process holds. Its side groups (and `also`: the replica
+    group) stay referenced for the process's life, as torch's DTensor caches keep a mesh's:
+    a gloo group's destructor joins its worker threads, and one of them may still wait in a
+    collective of the lost generation that nothing ends. Run by the garbage collection that
+    follows a survivor's unwinding, that join hung 4 of 15 HSDP recoveries
+    (docs/hot-recovery.md). The cost: a few sockets and threads per recovery, at most
+    `--hot-max` per attempt."""
+    _LEFT_BEHIND.append((ctx.control_group, ctx.checkpoint_group, *also))
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -35,7 +35,7 @@ from resilient.groups.forksafe import after_fork_in_child
 from resilient.groups.groups import DistContext
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
-from resilient.hang.departed import Departures, announce
+from resilient.hang.departed import Departures, announce, generation_over
 from resilient.hang.heartbeat import HangDetector, encode_beat, straggler_scores
 from resilient.hang.instrument import instrument
 from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase, Progress
@@ -96,6 +96,9 @@ class Watchdog(Verdicts):
         base = self.ctx.store.clone() if self.ctx.store is not None else dist.HashStore()
         base.set_timeout(timedelta(seconds=cfg.heartbeat_timeout_s))
         self._store = dist.PrefixStore(storekeys.WATCHDOG, base)
+        launcher = getattr(base, "underlying_store", None)  # under the generation's prefix
+        if self.hot.enabled and launcher is not None:
+            self._departures.lost = generation_over(launcher, self.hot)
         pid = os.getpid()
         meta = {"host": self.ctx.host, "pid": pid, "start": procinfo.start_time(pid)}
         self._store.set(storekeys.meta(self.rank), json.dumps(meta))

@@ -244,6 +244,11 @@ class BuddyReplicas:
         self._thread.start()
 
     @property
+    def group(self) -> Any:
+        """The replication's gloo group; None before the first exchange made it."""
+        return self._group
+
+    @property
     def busy(self) -> bool:
         """An exchange is in flight."""
         t = self._thread

@@ -90,14 +90,14 @@ class Runtime(Loops):
             timeout_s=config.pg_timeout_s,
             side_timeout_s=config.side_timeout_s,
             store=carry.store(),
-            # a hot generation: every rank waits for the others before the groups form, and
-            # names one that does not come (hot/reform.py)
+            # a hot generation: a roll call of every rank before the groups form (hot/reform.py)
             before_group=(
                 (lambda st, r, w: reform.roll_call(st, r, w, config.watchdog, mode))
                 if mode.rejoining
                 else None
             ),
             generation=mode.generation,
+            connect_side=mode.enabled,  # hot: no wait on a pair that never connected
         )
         self.log = log.get_logger()
         self.state = TrainState()
@@ -301,7 +301,7 @@ class Runtime(Loops):
             self.lost_save = self._saved_step
         with contextlib.suppress(BaseException):
             self.checkpoints.close()
-        abandon_distributed(self.ctx)
+        abandon_distributed(self.ctx, None if replicas is None else replicas.group)
         return True
 
     def save(self, *, blocking: bool | None = None) -> None:
