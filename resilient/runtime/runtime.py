@@ -238,6 +238,8 @@ class Runtime(Loops):
             h.remove()
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
+        if stage is not None:
+            self._hooks += wiring.unsynced_stage_forwards(model, self.log)
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer)
         if model is not None and not stage:  # each step's first forward inputs: its
             self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)

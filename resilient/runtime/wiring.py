@@ -21,7 +21,7 @@ from resilient import log
 from resilient.checkpoint import TrainState
 from resilient.envvars import ENV_RUN_DIR, HotMode
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from resilient.groups.ddp import ddp_modules, pin_buckets
+from resilient.groups.ddp import ddp_modules, forward_unsynced, pin_buckets
 from resilient.groups.groups import DistContext, env_identity
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
@@ -114,6 +114,19 @@ def pin_ddp_buckets(model: nn.Module, logger: Any) -> None:
                 "resume may sum gradients in another order (call track() before "
                 "the first forward)",
             )
+
+
+def unsynced_stage_forwards(model: nn.Module | None, logger: Any) -> list[Any]:
+    """A pipeline stage's DDP modules run every forward under no_sync(), as the schedules'
+    own micro-batch forwards do (resilient/groups/ddp.py, forward_unsynced): their shape
+    inference's forward would otherwise make the first step of every process reduce other
+    floats than the later steps, and a resumed run drift. Returns the hooks' handles."""
+    hooks: list[Any] = []
+    for ddp in [] if model is None else ddp_modules(model):
+        hooks += forward_unsynced(ddp)
+    if hooks:
+        logger.info("pipeline.ddp", forwards="no_sync", modules=len(hooks) // 2)
+    return hooks
 
 
 def within(seconds: float, fn: Callable[[], Any]) -> bool:
