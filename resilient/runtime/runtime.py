@@ -189,9 +189,8 @@ class Runtime(Loops):
         DeviceMesh, dimensions named by role or `mesh_roles` (docs/porting.md#2-d-and-3-d-meshes;
         default: the DTensor parameters'). `extras` are objects with
         state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
-        With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's gradient
-        buckets, a collective on DDP's process group: every rank calls track(), before the
-        first training forward.
+        With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's buckets, a
+        collective on DDP's process group: every rank calls track(), before the first forward.
         """
         if self._resumed:
             raise RuntimeError("track() must be called before steps() starts")
@@ -238,8 +237,7 @@ class Runtime(Loops):
             h.remove()
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
         self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
-        if stage is not None:
-            self._hooks += wiring.unsynced_stage_forwards(model, self.log)
+        self._hooks += wiring.unsynced_stage_forwards(None if stage is None else model, self.log)
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer)
         if model is not None and not stage:  # each step's first forward inputs: its
             self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)
