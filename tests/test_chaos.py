@@ -178,6 +178,12 @@ _EXTENDED = {
     "mesh_resize_dp",
     "mesh_resize_tp",
     "mesh_resize_hsdp",
+    # pipelines (issue 37; about 80-100 s each on two loaded cores): pp=2 x dp_shard=2 and
+    # pp=4 killed, cold, bitwise; pp=2 x dp_shard=2 resized to pp=1. CI runs the pp=2 x dp=2
+    # kill of tests/test_pipeline.py (DDP in the stages) instead
+    "mesh_pp_kill",
+    "mesh_pp4_kill",
+    "mesh_resize_pp",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
