@@ -138,6 +138,7 @@ def _launch(
     faults: tuple[str, ...] = (),
     restarts: int = 0,
     code: int = 0,
+    env: dict[str, str] | None = None,
 ) -> str:
     argv = [
         f"--nproc-per-node={nproc}",
@@ -153,7 +154,7 @@ def _launch(
         # which took minutes on the 2-core VM shared by six jobs)
         run_cmd(*argv),
         timeout=420,
-        env={"RESILIENT_WATCHDOG": json.dumps(WATCHDOG)},
+        env={"RESILIENT_WATCHDOG": json.dumps(WATCHDOG), **(env or {})},
     )
     assert got == code, (stdout[-2000:], err[-4000:])
     return err
@@ -256,6 +257,37 @@ def test_four_ranks_resume_cold_bit_for_bit_after_a_kill(
     assert sorted(gold) == [0, 1, 2, 3] and gold == kill
     assert {e["rank"] for e in run_events(tmp_path / "kill" / "run", "ckpt.load")} == {0, 1, 2, 3}
     assert not run_events(tmp_path / "kill" / "run", "resume.diverged")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("hot", [True, pytest.param(False, marks=pytest.mark.extended)])
+def test_a_nan_on_the_first_stage_is_rolled_back_bit_for_bit(
+    tmp_path: Path, launcher: Launcher, hot: bool
+) -> None:
+    """Stage 0's forward at step 6 returns NaN once: the loss (stage 1) and both stages'
+    gradients follow. The stages agree on it before either optimizer steps and roll back in
+    place to the snapshot of step 6 (`hot`), or, snapshots off, restart cold from the
+    checkpoint of step 4; either way the run ends bit for bit equal to the fault-free one."""
+    common = ("--steps=10", "--save-every=4")
+    snapshots = {"RESILIENT_SNAPSHOT": '{"enabled": true, "every_steps": 1}'} if hot else {}
+    _launch(launcher, tmp_path / "gold", 2, *common)
+    _launch(
+        launcher,
+        tmp_path / "nan",
+        2,
+        *common,
+        faults=("nan@rank=0,step=6,phase=forward",),
+        restarts=1,
+        env=snapshots,
+    )
+    assert _digests(tmp_path / "nan") == _digests(tmp_path / "gold")
+    faults = run_events(tmp_path / "nan" / "run", "numeric.fault")
+    assert faults and {e["step"] for e in faults} == {6}, faults
+    assert {e["action"] for e in faults} == {"rollback" if hot else "restart"}, faults
+    assert {e["rank"] for e in faults} == {0, 1}  # both stages saw it, agreed
+    restarts = run_events(tmp_path / "nan" / "run", "numeric.restart")
+    assert bool(restarts) is not hot, restarts
 
 
 @pytest.mark.slow

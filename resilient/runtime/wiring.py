@@ -223,7 +223,13 @@ def replicated_grads(model: nn.Module | None) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def numeric_hooks(watch: NumericWatch, model: nn.Module | None, optimizer: Any) -> list[Any]:
-    """The numerical check's hook on `optimizer.step()` (resilient/numeric/detect.py)."""
-    hook = watch.attach(optimizer, replicated=replicated_grads(model))
+def numeric_hooks(
+    watch: NumericWatch, model: nn.Module | None, optimizer: Any, pipelined: bool = False
+) -> list[Any]:
+    """The numerical check's hook on `optimizer.step()` (resilient/numeric/detect.py). A
+    pipeline's stages hold other gradients (a NaN born in a later stage's backward never
+    reaches an earlier one, and the loss is on the last stage only), so their check is
+    agreed over every rank, as for sharded gradients, even when DDP reduces each stage's."""
+    replicated = replicated_grads(model) and not pipelined
+    hook = watch.attach(optimizer, replicated=replicated)
     return [] if hook is None else [hook]
