@@ -291,6 +291,33 @@ def test_a_nan_on_the_first_stage_is_rolled_back_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stopped_stage_is_named_with_its_stage_and_micro_batch(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """Stage 0 SIGSTOPs itself entering the forward of micro-batch 0 of step 6 (after a pause
+    that lets its heartbeat say so). Its peer, blocked in the schedule's recv, names it from
+    its last heartbeat with its stage and the schedule's action, kills it, and leaves."""
+    faults = (
+        "slow@rank=0,step=6,phase=forward,seconds=1",  # heartbeats carry the new position
+        "stop@rank=0,step=6,phase=forward",
+    )
+    # no restart allowed: the supervisor reports 88 once the peer left with 81 (HANG)
+    code = int(ExitCode.RESTARTS_EXHAUSTED)
+    _launch(launcher, tmp_path, 2, "--steps=12", faults=faults, code=code)
+    (hang,) = run_events(tmp_path / "run", "hang.detected")
+    assert hang["kind"] == "no_heartbeat" and hang["ranks"] == [0], hang
+    (named,) = hang["named"]
+    assert named["state"] == "stopped"
+    assert (named["step"], named["stage"], named["phase"]) == (6, 0, "forward"), named
+    assert named["action"] == "forward of micro-batch 0", named
+    (left,) = run_events(tmp_path / "run", "watchdog.exit")  # the peer, out of its recv
+    assert (left["rank"], left["code"], left["ranks"]) == (1, int(ExitCode.HANG), [0]), left
+    killed = run_events(tmp_path / "run", "watchdog.killed")
+    assert [e["pid"] for e in killed] == [named["pid"]]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("back", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_a_pp2_checkpoint_resumes_at_pp1_and_back_and_exports_whole(
