@@ -292,6 +292,31 @@ def test_a_nan_on_the_first_stage_is_rolled_back_bit_for_bit(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """8 samples in 3 micro-batches (3, 3, 2): every stage refuses the first step before any
+    weight changes, exit 80 at once (no restart), the sizes and the fix named."""
+    err = _launch(
+        launcher,
+        tmp_path,
+        2,
+        "--microbatches=3",
+        "--uneven",
+        "--steps=4",
+        restarts=2,
+        code=int(ExitCode.MISMATCH),
+    )
+    assert "micro-batches of step 0 differ in size ([3, 2] samples)" in err, err[-3000:]
+    assert "n_microbatches does not divide the batch" in err
+    assert not run_events(tmp_path / "run", "restart.decided")
+    assert not list((tmp_path / "rec").glob("rank*.jsonl")) or not any(
+        f.read_text().strip() for f in (tmp_path / "rec").glob("rank*.jsonl")
+    )  # no step completed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_stopped_stage_is_named_with_its_stage_and_micro_batch(
     tmp_path: Path, launcher: Launcher
 ) -> None:

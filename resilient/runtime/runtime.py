@@ -237,7 +237,7 @@ class Runtime(Loops):
             h.remove()
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
         self._hooks += self.watchdog.instrument(model, optimizer, stage)  # phases, hang reports
-        self._hooks += wiring.unsynced_stage_forwards(None if stage is None else model, self.log)
+        self._hooks += wiring.stage_hooks(None if stage is None else model, self)
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer, stage is not None)
         if model is not None and not stage:  # each step's first forward inputs: its
             self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)

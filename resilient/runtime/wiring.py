@@ -30,6 +30,7 @@ from resilient.mesh import MeshLayout
 from resilient.mesh.discover import discover
 from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
+from resilient.runtime.stages import even_micro_batches
 
 __all__ = ["fences", "layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
 
@@ -116,16 +117,18 @@ def pin_ddp_buckets(model: nn.Module, logger: Any) -> None:
             )
 
 
-def unsynced_stage_forwards(model: nn.Module | None, logger: Any) -> list[Any]:
-    """A pipeline stage's DDP modules run every forward under no_sync(), as the schedules'
-    own micro-batch forwards do (resilient/groups/ddp.py, forward_unsynced): their shape
-    inference's forward would otherwise make the first step of every process reduce other
-    floats than the later steps, and a resumed run drift. Returns the hooks' handles."""
-    hooks: list[Any] = []
+def stage_hooks(model: nn.Module | None, rt: Any) -> list[Any]:
+    """A pipeline stage's hooks (`model`: None when not pipelined): its micro-batches must
+    be of one size (runtime/stages.py), and its DDP modules run every forward under
+    no_sync(), as the schedules' own micro-batch forwards do (groups/ddp.py,
+    forward_unsynced): their shape inference's forward would otherwise make the first step
+    of every process reduce other floats than the later steps, and a resumed run drift.
+    `rt`: the Runtime (its step, its logger). Returns the hooks' handles."""
+    hooks: list[Any] = [] if model is None else [even_micro_batches(model, lambda: rt.step)]
     for ddp in [] if model is None else ddp_modules(model):
         hooks += forward_unsynced(ddp)
-    if hooks:
-        logger.info("pipeline.ddp", forwards="no_sync", modules=len(hooks) // 2)
+    if len(hooks) > 1:
+        rt.log.info("pipeline.ddp", forwards="no_sync", modules=len(hooks) // 2)
     return hooks
 
 
