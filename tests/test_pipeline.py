@@ -160,6 +160,18 @@ def _launch(
     return err
 
 
+_GOLD: dict[tuple[str, ...], Path] = {}
+
+
+def _gold(factory: pytest.TempPathFactory, launcher: Launcher, *args: str) -> Path:
+    """The fault-free 2-rank run of `args`, launched once per session (tests share it)."""
+    if args not in _GOLD:
+        out = factory.mktemp("gold")
+        _launch(launcher, out, 2, *args)
+        _GOLD[args] = out
+    return _GOLD[args]
+
+
 def _digests(out: Path) -> dict[int, str]:
     return {
         int(f.stem.removeprefix("final_rank")): json.loads(f.read_text())["digest"]
@@ -201,10 +213,10 @@ def test_stages_that_name_their_layers_alike_are_refused_before_any_save(
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.extended)])
 def test_a_killed_stage_rank_resumes_cold_bit_for_bit(
-    tmp_path: Path, launcher: Launcher, schedule: str
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, launcher: Launcher, schedule: str
 ) -> None:
     common = ("--steps=12", "--save-every=4", f"--schedule={schedule}")
-    _launch(launcher, tmp_path / "gold", 2, *common)
+    gold_dir = _gold(tmp_path_factory, launcher, *common)
     _launch(
         launcher,
         tmp_path / "kill",
@@ -213,7 +225,7 @@ def test_a_killed_stage_rank_resumes_cold_bit_for_bit(
         faults=("kill@rank=1,step=10,phase=forward",),
         restarts=1,
     )
-    gold, kill = _digests(tmp_path / "gold"), _digests(tmp_path / "kill")
+    gold, kill = _digests(gold_dir), _digests(tmp_path / "kill")
     assert sorted(gold) == [0, 1] and gold == kill
     assert len({r["attempt"] for r in records(tmp_path / "kill" / "rec")}) == 2  # it restarted
     loads = run_events(tmp_path / "kill" / "run", "ckpt.load")  # from a stages' checkpoint
@@ -228,7 +240,7 @@ def test_a_killed_stage_rank_resumes_cold_bit_for_bit(
         by_step = last_by_step(records(out / "rec"))
         return {s: [r["loss"] for r in rs if r["loss"] is not None] for s, rs in by_step.items()}
 
-    assert losses(tmp_path / "kill") == losses(tmp_path / "gold")
+    assert losses(tmp_path / "kill") == losses(gold_dir)
 
 
 @pytest.mark.slow
@@ -263,15 +275,15 @@ def test_four_ranks_resume_cold_bit_for_bit_after_a_kill(
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("hot", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_a_nan_on_the_first_stage_is_rolled_back_bit_for_bit(
-    tmp_path: Path, launcher: Launcher, hot: bool
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, launcher: Launcher, hot: bool
 ) -> None:
     """Stage 0's forward at step 6 returns NaN once: the loss (stage 1) and both stages'
     gradients follow. The stages agree on it before either optimizer steps and roll back in
     place to the snapshot of step 6 (`hot`), or, snapshots off, restart cold from the
     checkpoint of step 4; either way the run ends bit for bit equal to the fault-free one."""
-    common = ("--steps=10", "--save-every=4")
+    common = ("--steps=12", "--save-every=4", "--schedule=1f1b")  # the kill test's gold
     snapshots = {"RESILIENT_SNAPSHOT": '{"enabled": true, "every_steps": 1}'} if hot else {}
-    _launch(launcher, tmp_path / "gold", 2, *common)
+    gold = _gold(tmp_path_factory, launcher, *common)
     _launch(
         launcher,
         tmp_path / "nan",
@@ -281,7 +293,7 @@ def test_a_nan_on_the_first_stage_is_rolled_back_bit_for_bit(
         restarts=1,
         env=snapshots,
     )
-    assert _digests(tmp_path / "nan") == _digests(tmp_path / "gold")
+    assert _digests(tmp_path / "nan") == _digests(gold)
     faults = run_events(tmp_path / "nan" / "run", "numeric.fault")
     assert faults and {e["step"] for e in faults} == {6}, faults
     assert {e["action"] for e in faults} == {"rollback" if hot else "restart"}, faults
