@@ -303,6 +303,26 @@ def test_a_nan_on_the_first_stage_is_rolled_back_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_a_nan_on_the_first_stage_with_ddp_in_the_stages_is_rolled_back(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """pp=2 x dp=2, DDP over each stage's replicas: rank 0's forward (stage 0) at step 6 is
+    NaN once; every rank agrees, rolls back in place and ends bit for bit equal."""
+    common = ("--pp=2", "--dp=2", "--steps=10", "--save-every=4")
+    snapshots = {"RESILIENT_SNAPSHOT": '{"enabled": true, "every_steps": 1}'}
+    _launch(launcher, tmp_path / "gold", 4, *common)
+    faults = ("nan@rank=0,step=6,phase=forward",)
+    _launch(launcher, tmp_path / "nan", 4, *common, faults=faults, restarts=1, env=snapshots)
+    assert _digests(tmp_path / "nan") == _digests(tmp_path / "gold")
+    faults_seen = run_events(tmp_path / "nan" / "run", "numeric.fault")
+    assert {(e["rank"], e["step"], e["action"]) for e in faults_seen} == {
+        (r, 6, "rollback") for r in range(4)
+    }, faults_seen
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_micro_batches_that_do_not_divide_the_batch_are_refused(
     tmp_path: Path, launcher: Launcher
