@@ -53,7 +53,7 @@ def _check_numeric(
                 f"h: {f.kind} at step {f.at_step}{check}: numeric.fault actions {got}, "
                 f"expected {want}"
             )
-        if seen and f.rank not in (seen[0].get("origin") or []):
+        if seen and not set(_pipeline(sc, f.rank)) & set(seen[0].get("origin") or []):
             failures.append(
                 f"h: {f.kind} poisoned rank {f.rank} at step {f.at_step}; numeric.fault named "
                 f"{seen[0].get('origin')}"
@@ -190,3 +190,14 @@ def _last_good_kept(
         )
         return f"fail ({' and '.join(map(str, good))} gone)"
     return f"pass (checkpoint {kept[0]} kept; the first fault at step {first})"
+
+
+def _pipeline(sc: Scenario, rank: int) -> list[int]:
+    """The ranks that may be named for a fault poisoned on `rank`: itself, or on a pipelined
+    mesh (pp outermost) every stage of its pipeline, since a NaN born in one stage's output
+    reaches the loss, where the origin is read, on the last stage."""
+    pp = int(sc.mesh.get("pp", 1)) if sc.mesh else 1
+    if pp <= 1:
+        return [rank]
+    per_stage = sc.nproc * sc.hosts // pp
+    return [s * per_stage + rank % per_stage for s in range(pp)]

@@ -46,9 +46,9 @@ __all__ = [
 
 MESH_RECIPE = "train_nd.py"
 RECIPES = ("train_ddp.py", "train_fsdp.py", MESH_RECIPE)
-DIMS = ("dp_replicate", "dp_shard", "tp")
-"""recipes/train_nd.py's mesh dimensions, outermost first (its --dp-replicate, --dp-shard
-and --tp)."""
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""recipes/train_nd.py's mesh dimensions, outermost first (its --pp, --dp-replicate,
+--dp-shard and --tp); pp is left out of a mesh of one stage."""
 BATCH = 8
 """The per-rank batch size the harness runs every recipe with (chaos/launch.py)."""
 _BLOCK = 64
@@ -64,14 +64,19 @@ def dp_degree(mesh: Mapping[str, int]) -> int:
 
 
 def describe(mesh: Mapping[str, int]) -> str:
-    return "x".join(str(int(mesh.get(d, 1))) for d in DIMS)
+    dims = DIMS if int(mesh.get("pp", 1)) > 1 else DIMS[1:]  # pp=1: the names before pp
+    return ("pp" if len(dims) == len(DIMS) else "") + "x".join(
+        str(int(mesh.get(d, 1))) for d in dims
+    )
 
 
 def mesh_args(mesh: Mapping[str, int]) -> list[str]:
     """train_nd.py's flags for `mesh` ({} : none, its defaults)."""
     if not mesh:
         return []
-    return [f"--{d.replace('_', '-')}={int(mesh.get(d, 1))}" for d in DIMS]
+    return [
+        f"--{d.replace('_', '-')}={int(mesh.get(d, 1))}" for d in DIMS if d in mesh or d != "pp"
+    ]
 
 
 def _samples(corpus_chars: int) -> int:

@@ -3,9 +3,11 @@
     .venv/bin/python scripts/bench_overhead.py            # full run, a few minutes
     .venv/bin/python scripts/bench_overhead.py --quick    # under a minute
     .venv/bin/python scripts/bench_overhead.py --mesh     # 4 ranks, dp_shard=2 x tp=2 (issue 36)
+    .venv/bin/python scripts/bench_overhead.py --pipeline # 2 ranks, two 1F1B stages (issue 37)
 
 `--mesh` measures the recipe loop of recipes/train_nd.py on a 2-D mesh against the same loop
-without the runtime instead (scripts/_overhead_mesh.py explains its variants).
+without the runtime instead (scripts/_overhead_mesh.py explains its variants); `--pipeline` a
+2-stage 1F1B loop (scripts/_overhead_pipeline.py).
 
 Launches itself under torchrun with 2 ranks (--standalone, a free port); scratch files go to
 a temporary directory under ./bench-output/ (or --dir), removed at the end. One process group,
@@ -68,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="scratch parent (default ./bench-output/)")
     p.add_argument("--out", default=None, help="(internal) where rank 0 writes its results")
     p.add_argument("--mesh", action="store_true", help="4 ranks on dp_shard=2 x tp=2 (train_nd)")
+    p.add_argument("--pipeline", action="store_true", help="2 ranks as two 1F1B stages")
     args = p.parse_args()
     args.rounds = args.rounds or (12 if args.quick else 32)
     args.block = args.block or (6 if args.quick else 8)
@@ -86,7 +89,7 @@ def launch(args: argparse.Namespace) -> int:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "4" if args.mesh else "2",
+        "4" if args.mesh else "2",  # --pipeline: two stages
         __file__,
         *sys.argv[1:],
         "--out",
@@ -101,11 +104,12 @@ def launch(args: argparse.Namespace) -> int:
         if rc != 0:
             return rc
         result = json.loads(out.read_text())
-        if args.mesh:
+        if args.mesh or args.pipeline:
             from _overhead_mesh import report_mesh
+            from _overhead_pipeline import report_pipeline
 
             result["wall_s"] = round(time.perf_counter() - t0, 1)
-            report_mesh(result)
+            (report_mesh if args.mesh else report_pipeline)(result)
             return 0
         result["monitor_cpu_fraction_16k"] = monitor_scale()
         extra = result["watchdog_thread_cpu_fraction"] + result["phase_bookkeeping_fraction"]
@@ -543,6 +547,11 @@ def main() -> int:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:
         return launch(args)
+    if args.pipeline:
+        from _overhead_pipeline import pipeline_worker
+
+        pipeline_worker(args)
+        return 0
     if args.mesh:
         from _overhead_mesh import mesh_worker
 

@@ -177,6 +177,16 @@ _EXTENDED = {
     "mesh_resize_dp",
     "mesh_resize_tp",
     "mesh_resize_hsdp",
+    # pipelines (issue 37; 80-100 s each on two loaded cores): pp=2 x dp_shard=2 and
+    # pp=4 killed, cold, bitwise; pp=2 x dp_shard=2 resized to pp=1. CI runs the pp=2 x dp=2
+    # kill of tests/test_pipeline.py (DDP in the stages) instead
+    "mesh_pp_kill",
+    "mesh_pp4_kill",
+    "mesh_resize_pp",
+    # a kill, a SIGSTOP and a NaN on pp=2 x dp_shard=2, cold (about 170 s); two SIGTERMs
+    # (about 230 s at a load of 14)
+    "mesh_pp_faults_cold",
+    "mesh_pp_preempt",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from chaos.check_numeric import _pipeline
 from chaos.draw import generate
 from chaos.launch import _launch_cmd, launch_shape, run_env
-from chaos.mesh import _order, check_samples
+from chaos.mesh import _order, check_samples, mesh_args
 from chaos.plan import plan
 from chaos.scenario import Fault, Scenario, expected_recovery
 from recipes.common.data import build_dataset
@@ -71,6 +72,12 @@ def test_a_mesh_scenario_round_trips_and_keys_its_golden_by_mesh(tmp_path: Path)
     assert Scenario.load(path) == sc
     assert sc.golden_key().endswith("-c40000-m1x2x2")
     assert _mesh(mesh=HSDP).golden_key().endswith("-m2x2x1")
+    # a pipeline: pp named, outermost, and train_nd's --pp flag; without one, no --pp
+    pp = {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    assert _mesh(mesh=pp).golden_key().endswith("-mpp2x1x2x1")
+    assert mesh_args(pp)[0] == "--pp=2" and not any(a.startswith("--pp") for a in mesh_args(TP))
+    # a NaN born on stage 0 is seen in the loss on the last stage of the same pipeline
+    assert _pipeline(_mesh(mesh=pp), 0) == [0, 2] and _pipeline(_mesh(), 3) == [3]
     # hot mode has no micro-batches on the mesh recipe: the cold run is its fault-free run
     assert _mesh(hot=True).golden_key() == _mesh().golden_key()
 

@@ -16,7 +16,14 @@ import pytest
 from resilient.errors import ConfigError
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.heartbeat import BEAT_DTYPE, HangDetector, decode_beats, encode_beat
-from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, FLAG_WARM, Phase, Progress
+from resilient.hang.phases import (
+    FLAG_FAILED,
+    FLAG_MICRO_BACKWARD,
+    FLAG_OOM,
+    FLAG_WARM,
+    Phase,
+    Progress,
+)
 
 IV = 0.5  # heartbeat interval of the small simulations
 
@@ -73,11 +80,17 @@ def test_beat_roundtrip() -> None:
     p.enter(Phase.BACKWARD)
     p.flags |= FLAG_OOM
     raw = encode_beat(42, p, now=p.since + 1.5)
-    assert len(raw) == BEAT_DTYPE.itemsize == 26
+    assert len(raw) == BEAT_DTYPE.itemsize == 29
     (b,) = decode_beats([raw])
     assert (int(b["beat"]), int(b["step"]), int(b["phase"])) == (42, 7, Phase.BACKWARD)
     assert int(b["flags"]) & FLAG_OOM and abs(float(b["age"]) - 1.5) < 1e-6
-    with pytest.raises(ValueError, match="26"):
+    assert (int(b["stage"]), int(b["micro"])) == (-1, -1)  # not pipelined
+    p.stage = 1
+    p.micro_batch(3, backward=True)  # a pipeline stage: micro-batch 3's backward
+    (b,) = decode_beats([encode_beat(43, p)])
+    assert (int(b["stage"]), int(b["micro"]), int(b["phase"])) == (1, 3, Phase.BACKWARD)
+    assert int(b["flags"]) & FLAG_MICRO_BACKWARD and int(b["flags"]) & FLAG_OOM
+    with pytest.raises(ValueError, match="29"):
         decode_beats([raw[:-1]])
 
 
@@ -302,7 +315,8 @@ def test_16384_ranks_one_stalls_named_in_time_with_little_cpu() -> None:
         beats["age"] = tp - t_prog
         beats["local"] = 0.05
         raw = beats.tobytes()
-        payloads = [raw[i * 26 : (i + 1) * 26] for i in range(n)]  # as multi_get returns them
+        w = BEAT_DTYPE.itemsize
+        payloads = [raw[i * w : (i + 1) * w] for i in range(n)]  # as multi_get returns them
         c0 = time.process_time()
         report = det.update(payloads)
         cpu += time.process_time() - c0

@@ -118,11 +118,22 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def write_digest(rt: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """sha256 of the full model+optimizer state, written to <run_dir>/final_digest.json."""
+def write_digest(
+    rt: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any = None
+) -> str:
+    """sha256 of the full model+optimizer state, written to <run_dir>/final_digest.json; with
+    a pipeline's `group`, of every stage's digest in stage order."""
     import resilient
 
     digest = resilient.state_digest(model, optimizer)
+    if group is not None:  # pipeline stages: each holds its own layers; one digest of all
+        import hashlib
+
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, digest, group=group)
+        digest = hashlib.sha256("".join(every).encode()).hexdigest()
     if rt.rank == 0:
         path = os.path.join(rt.run_dir, "final_digest.json")
         with open(path, "w") as f:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "GPTStage"]
 
 
 @dataclass
@@ -35,6 +35,10 @@ class GPTConfig:
     """One projection for q, k and v (the default, as the DDP and FSDP2 recipes save it), or
     three (`q`, `k`, `v`): tensor parallelism shards each by heads, which a fused one's rows,
     q then k then v, would not allow (recipes/train_nd.py)."""
+    tied_head: bool = True
+    """The output head is the token embedding's weight (the default), or its own `head`
+    Linear: pipeline stages (recipes/train_nd.py --pp) hold the embedding on the first stage
+    and the head on the last, so the two cannot share one weight."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -122,6 +126,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = None if config.tied_head else nn.Linear(config.n_embd, config.vocab_size, False)
         self.apply(self._init_weights)
         # GPT-2 style: shrink residual-path projections so the residual stream's
         # variance does not grow with depth.
@@ -162,8 +167,46 @@ class GPT(nn.Module):
         # Tied head via F.linear on the embedding weight instead of a separate
         # nn.Linear sharing the Parameter: state_dict then has a single key for
         # the weight, so checkpoint save/load and state comparisons see no aliases.
-        logits = F.linear(x, self.wte.weight)
+        logits = F.linear(x, self.wte.weight) if self.head is None else self.head(x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+
+class GPTStage(GPT):
+    """One pipeline stage of a GPT with an untied head, under the whole model's names.
+
+    `keep(stage, stages)` splits the blocks evenly over the stages; the first stage also
+    holds the embeddings, the last `ln_f` and the head. The other stages' blocks become
+    `nn.Identity()` and the embeddings or the head `None`, so `blocks.3.mlp.fc.weight` is
+    `blocks.3.mlp.fc.weight` on whichever stage holds it (docs/porting.md#pipelines). The
+    forward maps the stage's input (token ids on the first stage, the previous stage's
+    activations after it) to its output (activations, or the logits on the last stage), as
+    torch.distributed.pipelining's PipelineStage calls it. One stage of one is the whole model.
+    """
+
+    def keep(self, stage: int, stages: int) -> GPTStage:
+        if stages > 1 and self.head is None:
+            raise ValueError("pipeline stages need GPTConfig(tied_head=False)")
+        n = len(self.blocks)
+        lo, hi = stage * n // stages, (stage + 1) * n // stages
+        for i in range(n):
+            if not lo <= i < hi:
+                self.blocks[i] = nn.Identity()
+        if stage > 0:
+            self.wte = self.wpe = None  # type: ignore[assignment]
+        if stage < stages - 1:
+            self.ln_f = self.head = None  # type: ignore[assignment]
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.wte is not None:
+            pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        if self.ln_f is None:
+            return x
+        x = self.ln_f(x)
+        return F.linear(x, self.wte.weight) if self.head is None else self.head(x)

@@ -28,13 +28,14 @@ are reached only through groups/_torch_compat.py, which checks them at import.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from resilient.groups import _torch_compat as tc
 
-__all__ = ["ddp_modules", "pin_buckets", "reset_reducer"]
+__all__ = ["ddp_modules", "forward_unsynced", "pin_buckets", "reset_reducer"]
 
 # The DDP modules whose layout we fixed; reset_reducer() fixes them again after a reset.
 _PINNED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
@@ -97,3 +98,38 @@ def reset_reducer(ddp: DistributedDataParallel) -> None:
         tc.push_all_rebuilt_params(ddp)
         if tc.rebuild_buckets(ddp):
             tc.set_rebuilt_buckets(ddp, True)
+
+
+def forward_unsynced(ddp: DistributedDataParallel) -> list[Any]:
+    """Run every forward of `ddp` under its `no_sync()`: for a pipeline stage (see below).
+
+    torch's pipeline schedules (torch.distributed.pipelining, checked with torch 2.13) run
+    each micro-batch's forward under `no_sync()` and arm DDP's reduction themselves before the
+    step's last backward. The one forward they do not guard is the shape inference of the
+    first `schedule.step()` in each process: a forward with gradient sync on, after which DDP
+    arms its reducer for a backward. The inference's own backward computes input gradients
+    only, so the first micro-batch's real backward is the one that gets reduced: its
+    gradients are averaged over the data-parallel ranks on their own, then summed with the
+    other micro-batches' and averaged again. Mathematically the same, but not the same
+    floats as every later step, so a resumed process (whose first step is a later step of the
+    run) drifted from the uninterrupted run in the 7th digit.
+
+    Every forward under `no_sync()` is what the schedules mean: the reduction they arm before
+    the last backward does not depend on the forward. The hooks are removed by the caller
+    (their handles are returned).
+    """
+    held: list[Any] = []
+
+    def enter(module: DistributedDataParallel, _args: Any) -> None:
+        cm = module.no_sync()
+        cm.__enter__()
+        held.append(cm)
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        if held:
+            held.pop().__exit__(None, None, None)
+
+    return [
+        ddp.register_forward_pre_hook(enter),
+        ddp.register_forward_hook(leave, always_call=True),
+    ]

@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from resilient.hang.config import ENV_WATCHDOG, WatchdogConfig
-from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, FLAG_WARM, Phase, Progress
+from resilient.hang.phases import (
+    FLAG_FAILED,
+    FLAG_MICRO_BACKWARD,
+    FLAG_OOM,
+    FLAG_WARM,
+    Phase,
+    Progress,
+)
 
 __all__ = [
     "BEAT_DTYPE",
@@ -51,7 +58,7 @@ __all__ = [
     "straggler_scores",
 ]
 
-_BEAT = struct.Struct("<IIqBBff")
+_BEAT = struct.Struct("<IIqBBffbh")
 BEAT_DTYPE = np.dtype(
     [
         ("beat", "<u4"),
@@ -61,13 +68,16 @@ BEAT_DTYPE = np.dtype(
         ("flags", "u1"),
         ("age", "<f4"),
         ("local", "<f4"),
+        ("stage", "i1"),
+        ("micro", "<i2"),
     ]
 )
 assert BEAT_DTYPE.itemsize == _BEAT.size
 
 
 def encode_beat(beat: int, progress: Progress, now: float | None = None) -> bytes:
-    """26 bytes: beat counter, progress seq, step, phase, flags, progress age, local s/step."""
+    """29 bytes: beat counter, progress seq, step, phase, flags, progress age, local s/step,
+    pipeline stage and micro-batch (-1: none)."""
     now = time.monotonic() if now is None else now
     return _BEAT.pack(
         beat & 0xFFFFFFFF,
@@ -77,6 +87,8 @@ def encode_beat(beat: int, progress: Progress, now: float | None = None) -> byte
         progress.flags,
         max(0.0, now - progress.since),
         progress.local_ema,
+        max(-1, min(progress.stage, 127)),
+        max(-1, min(progress.micro, 32767)),
     )
 
 
@@ -103,9 +115,33 @@ class RankStatus:
     timeout_s: float
     failed: bool
     oom: bool
+    stage: int = -1
+    """Its pipeline stage (-1: not pipelined)."""
+    micro: int = -1
+    """The micro-batch of its pipeline stage's phase (-1: none)."""
+    micro_backward: bool = False
+    """That micro-batch is in its backward (else its forward, or just after it)."""
+
+    @property
+    def action(self) -> str | None:
+        """A pipeline stage's schedule action: "forward of micro-batch 2", "backward of
+        micro-batch 0", "after the forward of micro-batch 3" (sending its activations or
+        waiting for the next input); None: not pipelined, or no micro-batch in this step."""
+        if self.stage < 0 or self.micro < 0 or self.phase not in ("forward", "backward"):
+            return None
+        if self.micro_backward:
+            return f"backward of micro-batch {self.micro}"
+        if self.phase == "forward":
+            return f"forward of micro-batch {self.micro}"
+        return f"after the forward of micro-batch {self.micro}"
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        del d["micro_backward"]
+        if self.stage >= 0:
+            d["action"] = self.action
+        else:
+            del d["stage"], d["micro"]
         for k in ("progress_age_s", "silent_s", "timeout_s"):
             d[k] = round(d[k], 3) if math.isfinite(d[k]) else None
         return d
@@ -227,6 +263,9 @@ class HangDetector:
                 timeout_s=float(limit[i]),
                 failed=bool(flags[i] & FLAG_FAILED),
                 oom=bool(flags[i] & FLAG_OOM),
+                stage=int(beats["stage"][i]),
+                micro=int(beats["micro"][i]),
+                micro_backward=bool(flags[i] & FLAG_MICRO_BACKWARD),
             )
 
         idx = np.flatnonzero(named)

@@ -13,9 +13,15 @@ from resilient.hang.phases import Phase, Progress
 __all__ = ["instrument"]
 
 
-def instrument(p: Progress, model: nn.Module | None, optimizer: Any) -> list[Any]:
-    """Register the phase hooks on `model` and `optimizer`; returns their handles."""
+def instrument(
+    p: Progress, model: nn.Module | None, optimizer: Any, stage: int | None = None
+) -> list[Any]:
+    """Register the phase hooks on `model` and `optimizer`; returns their handles. A
+    pipeline `stage` (its index) also counts its micro-batches (`_micro_batches`)."""
     handles: list[Any] = []
+    if model is not None and stage is not None:
+        p.stage = stage
+        handles += _micro_batches(p, model)
     if model is not None:
         from torch.distributed.fsdp import FSDPModule
 
@@ -45,6 +51,32 @@ def instrument(p: Progress, model: nn.Module | None, optimizer: Any) -> list[Any
         handles.append(optimizer.register_step_pre_hook(lambda *_: p.enter(Phase.OPTIMIZER)))
         handles.append(optimizer.register_step_post_hook(lambda *_: p.enter(Phase.STEP)))
     return handles
+
+
+def _micro_batches(p: Progress, model: nn.Module) -> list[Any]:
+    """A pipeline stage's module runs once per micro-batch, in order: its k-th forward of a
+    step is micro-batch k's, and the gradient reaching that forward's output starts
+    micro-batch k's backward. Registered ahead of the phase hooks (prepend), so the phase
+    entered by those carries the micro-batch already."""
+    seen = {"step": -2, "n": 0}
+
+    def before(*_: Any) -> None:
+        if seen["step"] != p.step:
+            seen["step"], seen["n"] = p.step, 0
+        p.micro_batch(seen["n"], backward=False)
+        seen["n"] += 1
+
+    def after(_m: nn.Module, _args: Any, output: Any) -> None:
+        k = p.micro
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda _g, k=k: p.micro_batch(k, backward=True))
+                break
+
+    return [
+        model.register_forward_pre_hook(before, prepend=True),
+        model.register_forward_hook(after),
+    ]
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

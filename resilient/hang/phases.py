@@ -12,7 +12,15 @@ import time
 from resilient import faultpoints
 from resilient.errors import ConfigError
 
-__all__ = ["FLAG_FAILED", "FLAG_OOM", "FLAG_WARM", "LOCAL_PHASES", "Phase", "Progress"]
+__all__ = [
+    "FLAG_FAILED",
+    "FLAG_MICRO_BACKWARD",
+    "FLAG_OOM",
+    "FLAG_WARM",
+    "LOCAL_PHASES",
+    "Phase",
+    "Progress",
+]
 
 
 class Phase(enum.IntEnum):
@@ -56,6 +64,10 @@ FLAG_WARM = 1
 FLAG_OOM = 2
 FLAG_FAILED = 4
 """The rank's guard caught an exception (FLAG_OOM too for an out-of-memory error)."""
+FLAG_MICRO_BACKWARD = 8
+"""A pipeline stage's micro-batch (`Progress.micro`) is in its backward: its gradient has
+reached the stage's output. Without it, the micro-batch's forward (or what follows it: the
+send of its activations, the wait for the next one)."""
 
 
 class Progress:
@@ -67,9 +79,11 @@ class Progress:
         "flags",
         "local_ema",
         "local_s",
+        "micro",
         "phase",
         "seq",
         "since",
+        "stage",
         "step",
         "steps_done",
     )
@@ -83,6 +97,11 @@ class Progress:
         self.local_s = 0.0
         self.local_ema = 0.0
         self.steps_done = 0
+        self.stage = -1
+        """A pipeline stage's index (-1: not pipelined)."""
+        self.micro = -1
+        """A pipeline stage's micro-batch in this step: the forward or backward of it that
+        the phase names (-1: none yet, or not pipelined)."""
 
     def enter(self, phase: Phase) -> None:
         """Move to `phase` (counts as progress even when it is the current one)."""
@@ -109,9 +128,20 @@ class Progress:
         self.since = now
         self.seq += 1
 
+    def micro_batch(self, k: int, *, backward: bool) -> None:
+        """A pipeline stage's micro-batch `k` enters its forward or its backward."""
+        self.micro = k
+        self.flags = (
+            (self.flags | FLAG_MICRO_BACKWARD) if backward else (self.flags & ~FLAG_MICRO_BACKWARD)
+        )
+        if backward:
+            self.enter(Phase.BACKWARD)
+
     def begin_step(self, step: int) -> None:
         self.step = step
         self.local_s = 0.0
+        self.micro = -1
+        self.flags &= ~FLAG_MICRO_BACKWARD
         self.enter(Phase.STEP)
 
     def end_step(self) -> None:

@@ -200,9 +200,12 @@ class Watchdog(Verdicts):
             )
         self.progress.resume(prev)
 
-    def instrument(self, model: nn.Module | None, optimizer: Any) -> list[Any]:
-        """Hooks that move the phase without any line in the user's loop; returns handles."""
-        return instrument(self.progress, model, optimizer)
+    def instrument(
+        self, model: nn.Module | None, optimizer: Any, stage: int | None = None
+    ) -> list[Any]:
+        """Hooks that move the phase without any line in the user's loop; returns handles.
+        A pipeline `stage` reports its micro-batch too (hang/instrument.py)."""
+        return instrument(self.progress, model, optimizer, stage)
 
     def announce_departure(self) -> None:
         """This survivor leaves the generation for the next one (hot recovery): say so, so

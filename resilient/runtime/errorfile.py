@@ -23,6 +23,18 @@ from resilient.log import get_logger
 __all__ = ["install_excepthook"]
 
 
+def _mismatch(exc: BaseException) -> BaseException | None:
+    """`exc` or its cause that is a ConfigError or CheckpointMismatchError, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ConfigError | CheckpointMismatchError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return None
+
+
 def install_excepthook(
     step: Callable[[], int | None], *, divert: Callable[[BaseException], None] | None = None
 ) -> Callable[[], None]:
@@ -40,8 +52,11 @@ def install_excepthook(
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         # a forked child (a DataLoader worker) is not the rank: its errors are not the rank's
         if not issubclass(exc_type, KeyboardInterrupt) and os.getpid() == pid:
-            if isinstance(exc, ConfigError | CheckpointMismatchError):
-                _record(exc, step, exit_code=int(ExitCode.MISMATCH))
+            # torch re-raises a module's error as its own (a pipeline stage's "Failed to run
+            # stage forward"): the cause tells
+            cause = _mismatch(exc)
+            if cause is not None:
+                _record(cause, step, exit_code=int(ExitCode.MISMATCH))
                 previous(exc_type, exc, tb)
                 hard_exit(ExitCode.MISMATCH)  # no restart would help: not one of the peers'
             if divert is not None:

@@ -189,9 +189,8 @@ class Runtime(Loops):
         DeviceMesh, dimensions named by role or `mesh_roles` (docs/porting.md#2-d-and-3-d-meshes;
         default: the DTensor parameters'). `extras` are objects with
         state_dict()/load_state_dict() that are identical on every rank (a GradScaler, ...).
-        With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's gradient
-        buckets, a collective on DDP's process group: every rank calls track(), before the
-        first training forward.
+        With a DDP `model` (and `pin_ddp_buckets`, the default) it fixes DDP's buckets, a
+        collective on DDP's process group: every rank calls track(), before the first forward.
         """
         if self._resumed:
             raise RuntimeError("track() must be called before steps() starts")
@@ -237,8 +236,9 @@ class Runtime(Loops):
         for h in self._hooks:
             h.remove()
         self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
-        self._hooks += self.watchdog.instrument(model, optimizer)  # phases for hang reports
-        self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer)
+        self._hooks += self.watchdog.instrument(model, optimizer, stage)  # phases, hang reports
+        self._hooks += wiring.stage_hooks(None if stage is None else model, self)
+        self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer, stage is not None)
         if model is not None and not stage:  # each step's first forward inputs: its
             self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)
 

@@ -9,8 +9,10 @@ attempt, and its checkpoint would hold a layer twice or not at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -18,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from resilient.errors import ConfigError
 from resilient.mesh import MeshLayout
 
-__all__ = ["agree_split", "check_split", "stage_of"]
+__all__ = ["agree_split", "check_split", "even_micro_batches", "stage_of"]
 
 
 def stage_of(layout: MeshLayout, rank: int) -> int:
@@ -83,3 +85,31 @@ def check_split(model: nn.Module, layout: MeshLayout, rank: int, group: Any) -> 
             "(docs/porting.md#pipelines)"
         )
     return {str(s): len(by_stage[s][1]) for s in stages}
+
+
+def even_micro_batches(model: nn.Module, step: Callable[[], int]) -> Any:
+    """A hook on a pipeline stage's module: ConfigError when the micro-batches of one step
+    differ in size. torch's schedules split the batch into n_microbatches chunks along its
+    first dimension, unevenly when that does not divide it (8 into 3: 3, 3 and 2), so the
+    mean of the micro-batches' losses is no longer the batch's, and a static stage's shapes
+    fail. Raised in the first step's forwards, before any weight changed; each stage sees it."""
+    seen: dict[str, Any] = {"step": None, "sizes": []}
+
+    def check(_module: nn.Module, args: Any) -> None:
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        if first is None:
+            return
+        if seen["step"] != step():
+            seen["step"], seen["sizes"] = step(), []
+        sizes: list[int] = seen["sizes"]
+        sizes.append(int(first.shape[0]))
+        if sizes[-1] != sizes[0]:
+            raise ConfigError(
+                f"the pipeline's micro-batches of step {seen['step']} differ in size "
+                f"({sorted(set(sizes), reverse=True)} samples): "
+                "the schedule's n_microbatches does not divide the batch each stage draws. "
+                "Choose a number of micro-batches that divides the batch size (or a batch "
+                "size it divides) (docs/porting.md#pipelines)"
+            )
+
+    return model.register_forward_pre_hook(check)

@@ -21,7 +21,7 @@ from resilient import log
 from resilient.checkpoint import TrainState
 from resilient.envvars import ENV_RUN_DIR, HotMode
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from resilient.groups.ddp import ddp_modules, pin_buckets
+from resilient.groups.ddp import ddp_modules, forward_unsynced, pin_buckets
 from resilient.groups.groups import DistContext, env_identity
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
@@ -30,6 +30,7 @@ from resilient.mesh import MeshLayout
 from resilient.mesh.discover import discover
 from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
+from resilient.runtime.stages import even_micro_batches
 
 __all__ = ["fences", "layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
 
@@ -114,6 +115,21 @@ def pin_ddp_buckets(model: nn.Module, logger: Any) -> None:
                 "resume may sum gradients in another order (call track() before "
                 "the first forward)",
             )
+
+
+def stage_hooks(model: nn.Module | None, rt: Any) -> list[Any]:
+    """A pipeline stage's hooks (`model`: None when not pipelined): its micro-batches must
+    be of one size (runtime/stages.py), and its DDP modules run every forward under
+    no_sync(), as the schedules' own micro-batch forwards do (groups/ddp.py,
+    forward_unsynced): their shape inference's forward would otherwise make the first step
+    of every process reduce other floats than the later steps, and a resumed run drift.
+    `rt`: the Runtime (its step, its logger). Returns the hooks' handles."""
+    hooks: list[Any] = [] if model is None else [even_micro_batches(model, lambda: rt.step)]
+    for ddp in [] if model is None else ddp_modules(model):
+        hooks += forward_unsynced(ddp)
+    if len(hooks) > 1:
+        rt.log.info("pipeline.ddp", forwards="no_sync", modules=len(hooks) // 2)
+    return hooks
 
 
 def within(seconds: float, fn: Callable[[], Any]) -> bool:
@@ -210,7 +226,13 @@ def replicated_grads(model: nn.Module | None) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def numeric_hooks(watch: NumericWatch, model: nn.Module | None, optimizer: Any) -> list[Any]:
-    """The numerical check's hook on `optimizer.step()` (resilient/numeric/detect.py)."""
-    hook = watch.attach(optimizer, replicated=replicated_grads(model))
+def numeric_hooks(
+    watch: NumericWatch, model: nn.Module | None, optimizer: Any, pipelined: bool = False
+) -> list[Any]:
+    """The numerical check's hook on `optimizer.step()` (resilient/numeric/detect.py). A
+    pipeline's stages hold other gradients (a NaN born in a later stage's backward never
+    reaches an earlier one, and the loss is on the last stage only), so their check is
+    agreed over every rank, as for sharded gradients, even when DDP reduces each stage's."""
+    replicated = replicated_grads(model) and not pipelined
+    hook = watch.attach(optimizer, replicated=replicated)
     return [] if hook is None else [hook]

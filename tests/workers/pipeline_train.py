@@ -10,7 +10,8 @@ Bad input on purpose: `--local-names` names each stage's layers 0.., as a naive 
 (the save must be refused); `--no-mesh` keeps global names but passes no mesh (the
 optimizers' param_groups then differ under one name: refused); `--layers N` builds a model of
 N layers (a checkpoint of 4 loaded into 3: the missing layer named); `--split-of-rank R`
-gives rank R another split (refused at track()).
+gives rank R another split (refused at track()); `--uneven` leaves a --microbatches that does
+not divide --batch to the runtime (refused in the first step's forwards).
 
 Each rank appends one JSON line per completed step to <record>/rank<R>.jsonl (step, stage,
 sample ids, the loss on the last stage) and, at the end, <record>/final_rank<R>.json with a
@@ -99,10 +100,11 @@ def main() -> None:
     p.add_argument("--local-names", action="store_true")
     p.add_argument("--no-mesh", action="store_true")
     p.add_argument("--split-of-rank", type=int, default=None)
+    p.add_argument("--uneven", action="store_true", help="skip the micro-batch check here")
     args = p.parse_args()
 
     rt = resilient.init(save_every_steps=args.save_every, async_save=True)
-    if args.batch % args.microbatches:
+    if args.batch % args.microbatches and not args.uneven:
         raise resilient.ConfigError(
             f"--batch {args.batch} is not a multiple of --microbatches {args.microbatches}"
         )
