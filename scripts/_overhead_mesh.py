@@ -47,7 +47,8 @@ def mesh_worker(args: argparse.Namespace) -> None:
     from recipes.common.model import GPT, GPTConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # its imports
-    from bench_overhead import interleaved  # scripts/ is on the path: it launched this worker
+    # scripts/ is on the path: bench_overhead launched this worker
+    from bench_overhead import interleaved, quartiles
 
     from recipes.train_nd import MESH_DIMS, parallelize
 
@@ -187,8 +188,8 @@ def mesh_worker(args: argparse.Namespace) -> None:
         "overhead": round(statistics.median(paired["resilient"]) - 1 + extra, 5),
         "overhead_paired": round(statistics.median(paired["resilient"]) - 1, 5),
         "noise_again": round(statistics.median(paired["again"]) - 1, 5),
-        "noise_again_iqr": [round(q - 1, 5) for q in _quartiles(paired["again"])],
-        "overhead_iqr": [round(q - 1, 5) for q in _quartiles(paired["resilient"])],
+        "noise_again_iqr": [round(q - 1, 5) for q in quartiles(paired["again"])],
+        "overhead_iqr": [round(q - 1, 5) for q in quartiles(paired["resilient"])],
         "cpu_overhead": round(statistics.median(cpu_paired["resilient"]) - 1 + extra, 5),
         "cpu_noise_again": round(statistics.median(cpu_paired["again"]) - 1, 5),
         "direct_overhead": round(direct, 6),
@@ -202,13 +203,6 @@ def mesh_worker(args: argparse.Namespace) -> None:
     if rt.rank == 0 and args.out:
         Path(args.out).write_text(json.dumps(result))
     rt.close()
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4)
-    return q[0], q[2]
 
 
 def report_mesh(r: dict[str, Any]) -> None:

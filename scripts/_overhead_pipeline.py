@@ -46,7 +46,7 @@ def pipeline_worker(args: argparse.Namespace) -> None:
     from recipes.common.model import GPTConfig, GPTStage
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_overhead import interleaved
+    from bench_overhead import interleaved, quartiles
 
     ckpt = str(Path(args.out).parent / "ckpt") if args.out else tempfile.mkdtemp()
     rt = resilient.init(
@@ -130,22 +130,15 @@ def pipeline_worker(args: argparse.Namespace) -> None:
         "steps_per_variant": len(times["bare"]),
         "median_step_ms": {k: round(v, 3) for k, v in med.items()},
         "overhead": round(statistics.median(paired["resilient"]) - 1, 5),
-        "overhead_iqr": [round(q - 1, 5) for q in _quartiles(paired["resilient"])],
+        "overhead_iqr": [round(q - 1, 5) for q in quartiles(paired["resilient"])],
         "noise_again": round(statistics.median(paired["again"]) - 1, 5),
-        "noise_again_iqr": [round(q - 1, 5) for q in _quartiles(paired["again"])],
+        "noise_again_iqr": [round(q - 1, 5) for q in quartiles(paired["again"])],
         "cpu_overhead": round(statistics.median(cpu_paired["resilient"]) - 1, 5),
         "cpu_noise_again": round(statistics.median(cpu_paired["again"]) - 1, 5),
     }
     if rt.rank == 0 and args.out:
         Path(args.out).write_text(json.dumps(result))
     rt.close()
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4)
-    return q[0], q[2]
 
 
 def report_pipeline(r: dict[str, Any]) -> None:

@@ -474,7 +474,7 @@ def worker(args: argparse.Namespace) -> None:
         "cpu_noise_again": round(statistics.median(cpu_paired["again"]) - 1, 5),
         "cpu_overhead_guard": round(statistics.median(cpu_paired["guard"]) - 1, 5),
         "cpu_overhead_micro": round(statistics.median(cpu_paired["micro"]) - 1, 5),
-        "noise_again_iqr": [round(q - 1, 5) for q in _quartiles(paired["again"])],
+        "noise_again_iqr": [round(q - 1, 5) for q in quartiles(paired["again"])],
         "overhead_guard": round(statistics.median(paired["guard"]) - 1, 5),
         "overhead_micro": round(statistics.median(paired["micro"]) - 1, 5),
         "overall_ratio_guard": round(med["guard"] / med["bare"], 5),
@@ -538,7 +538,10 @@ def interleaved(
     return times, paired, cpu_paired
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float]:
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of `xs` (both `xs[0]` for a single value)."""
+    if len(xs) < 2:
+        return xs[0], xs[0]
     q = statistics.quantiles(xs, n=4)
     return q[0], q[2]
 
