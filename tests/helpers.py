@@ -187,6 +187,42 @@ def run_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "resilient.cli", "run", *args]
 
 
+_EXITS_AFTER_INIT = """\
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+with open(sys.argv[1], "a") as f:
+    f.write(f"rank {{dist.get_rank()}} attempt {{os.environ['TORCHELASTIC_RESTART_COUNT']}}\\n")
+if dist.get_rank() == 0:
+    os._exit({code})
+time.sleep(50)
+"""
+
+
+def run_rank0_exits(
+    launcher: Launcher, tmp: Path, code: int, *, hot: bool, timeout: float
+) -> tuple[int, str, Path, list[str]]:
+    """`resilient run` (2 ranks, --max-restarts=3, --hot-recovery if `hot`) of a script whose
+    rank 0 exits with `code` once the group formed, its peer sleeping. Returns the run's exit
+    code, its stderr, its run directory and the sorted "rank R attempt A" lines of every
+    start: what a verdict that is never restarted shows."""
+    script, starts, run_dir = tmp / "exits.py", tmp / "starts.txt", tmp / "run"
+    script.write_text(_EXITS_AFTER_INIT.format(code=int(code)))
+    rc, _, err = launcher.run(
+        run_cmd(
+            "--nproc-per-node=2",
+            "--max-restarts=3",
+            f"--run-dir={run_dir}",
+            *(["--hot-recovery"] if hot else []),
+            str(script),
+            str(starts),
+        ),
+        timeout=timeout,
+    )
+    return rc, err, run_dir, sorted(starts.read_text().splitlines())
+
+
 def guarded_golden_run(out: Path, nproc: int, *, fsdp: bool) -> str:
     """The guarded worker's fault-free run (micro-batches, GUARDED_STEPS, no snapshots) under
     `resilient run` on `nproc` ranks; returns its final digest. The session runs it once per

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ForkedCli, Launcher, run_cmd, run_events
+from helpers import ForkedCli, Launcher, run_events, run_rank0_exits
 from trainee import Trainee
 
 from resilient import CheckpointConfig, CheckpointError, CheckpointManager
@@ -259,19 +259,6 @@ def test_only_rank_1s_shard_is_nan_and_neither_rank_commits(
 
 
 # ---------------------------------------------------------------------- the supervisor
-_EXITS_87 = """\
-import os, sys, time
-import torch.distributed as dist
-dist.init_process_group("gloo")
-dist.barrier()
-with open(sys.argv[1], "a") as f:
-    f.write(f"rank {dist.get_rank()} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n")
-if dist.get_rank() == 0:
-    os._exit(87)
-time.sleep(50)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot"])
@@ -279,21 +266,9 @@ def test_run_stops_at_once_on_a_numerical_fault(
     tmp_path: Path, launcher: Launcher, hot: bool
 ) -> None:
     """Rank 0 exits 87 after init: no restart (cold), no hot replacement (--hot-recovery)."""
-    script, starts, run_dir = tmp_path / "nan.py", tmp_path / "starts.txt", tmp_path / "run"
-    script.write_text(_EXITS_87)
-    code, _, err = launcher.run(
-        run_cmd(
-            "--nproc-per-node=2",
-            "--max-restarts=3",
-            f"--run-dir={run_dir}",
-            *(["--hot-recovery"] if hot else []),
-            str(script),
-            str(starts),
-        ),
-        timeout=80,
-    )
+    code, err, run_dir, starts = run_rank0_exits(launcher, tmp_path, 87, hot=hot, timeout=80)
     assert code == ExitCode.NUMERICAL_FAULT, err[-3000:]
-    assert sorted(starts.read_text().splitlines()) == ["rank 0 attempt 0", "rank 1 attempt 0"]
+    assert starts == ["rank 0 attempt 0", "rank 1 attempt 0"]
     report = json.loads((run_dir / "supervisor_report.json").read_text())
     assert (report["outcome"], report["exit_code"]) == ("numerical fault", 87)
     assert [a["action"] for a in report["attempts"]] == ["stop: numerical fault"]

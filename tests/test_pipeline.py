@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Launcher, last_by_step, records, run_cmd, run_events
+from helpers import Launcher, last_by_step, records, run_cmd, run_events, run_rank0_exits
 from torch import nn
 
 from resilient.checkpoint.duplicates import divergent, fingerprints
@@ -87,40 +87,16 @@ def test_mismatch_has_its_exit_code_and_row() -> None:
     assert "| 80 |" in readme
 
 
-_EXITS_80 = """\
-import os, sys, time
-import torch.distributed as dist
-dist.init_process_group("gloo")
-dist.barrier()
-with open(sys.argv[1], "a") as f:
-    f.write(f"rank {dist.get_rank()} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n")
-if dist.get_rank() == 0:
-    os._exit(80)
-time.sleep(50)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_mismatch_is_neither_restarted_nor_replaced_hot(
     tmp_path: Path, launcher: Launcher
 ) -> None:
     """Rank 0 exits 80 after init under --hot-recovery: no hot replacement, no restart."""
-    script, starts, run_dir = tmp_path / "bad.py", tmp_path / "starts.txt", tmp_path / "run"
-    script.write_text(_EXITS_80)
-    code, _, err = launcher.run(
-        run_cmd(
-            "--nproc-per-node=2",
-            "--max-restarts=3",
-            f"--run-dir={run_dir}",
-            "--hot-recovery",
-            str(script),
-            str(starts),
-        ),
-        timeout=200,  # a warm spare and two workers start: torch imported three times
-    )
+    # a warm spare and two workers start: torch imported three times
+    code, err, run_dir, starts = run_rank0_exits(launcher, tmp_path, 80, hot=True, timeout=200)
     assert code == ExitCode.MISMATCH, err[-3000:]
-    assert sorted(starts.read_text().splitlines()) == ["rank 0 attempt 0", "rank 1 attempt 0"]
+    assert starts == ["rank 0 attempt 0", "rank 1 attempt 0"]
     report = json.loads((run_dir / "supervisor_report.json").read_text())
     assert (report["outcome"], report["exit_code"]) == ("mismatch", 80)
     assert [a["action"] for a in report["attempts"]] == ["stop: mismatch"]
