@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from chaos import forks as forkserver
 from resilient.events import iter_events
 from resilient.proctree import alive, descendants, kill_tree
 
@@ -23,10 +24,12 @@ __all__ = [
     "alive",
     "descendants",
     "events",
+    "fresh_interpreters",
     "kill_tree",
     "latest_event",
     "spawn",
     "torchrun_cmd",
+    "use_fork_server",
     "wait_for",
 ]
 
@@ -34,13 +37,48 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def spawn(
-    cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None, **popen: Any
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    inherit_env: bool = True,
+    **popen: Any,
 ) -> subprocess.Popen[Any]:
     """Start `cmd` in a session of its own (so its tree can be killed apart from ours), in the
-    checkout, with the checkout first on PYTHONPATH; `popen` goes to subprocess.Popen."""
-    full = {**os.environ, **(env or {})}
+    checkout, with the checkout first on PYTHONPATH; `env` adds to ours (is the whole
+    environment with `inherit_env=False`); `popen` goes to subprocess.Popen."""
+    full = {**(os.environ if inherit_env else {}), **(env or {})}
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
-    return subprocess.Popen(list(cmd), env=full, cwd=cwd or REPO, start_new_session=True, **popen)
+    popen_class = forkserver.ForkedPopen if _FORKS is not None and not _FRESH else subprocess.Popen
+    return popen_class(list(cmd), env=full, cwd=cwd or REPO, start_new_session=True, **popen)
+
+
+_FORKS: forkserver.ForkServers | None = None
+_FRESH = False
+
+
+def use_fork_server(workdir: Path | None) -> None:
+    """From now on `spawn` starts Python commands as forks of one process that imported torch
+    and the runtime once (chaos/forkserver.py), with the same pid, parent, session, stdio,
+    environment and exit as a fresh interpreter; `None` stops that and ends the server. It
+    spares each start about 5 s of CPU: the tests turn it on for their session."""
+    global _FORKS
+    if _FORKS is not None:
+        _FORKS.close()
+    _FORKS = forkserver.ForkServers(workdir) if workdir is not None else None
+    forkserver.set_servers(_FORKS)
+
+
+@contextlib.contextmanager
+def fresh_interpreters() -> Iterator[None]:
+    """Within: `spawn` starts new interpreters even with the fork server on (the real start
+    path: each process imports everything and draws its own hash seed)."""
+    global _FRESH
+    _FRESH, before = True, _FRESH
+    try:
+        yield
+    finally:
+        _FRESH = before
 
 
 def torchrun_cmd(

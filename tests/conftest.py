@@ -7,6 +7,12 @@ helpers behind them live in tests/helpers.py, which test modules import directly
 
 from __future__ import annotations
 
+import os
+
+# One thread per process for the whole session, set before anything imports torch: torchrun
+# gives its workers this already, and the fork servers (fixture below) can then start the
+# launchers, the plain ranks and torchrun's workers from one imported interpreter each.
+os.environ["OMP_NUM_THREADS"] = "1"
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,8 +21,32 @@ from typing import Any
 import pytest
 from helpers import WORKERS, ForkedCli, Launcher, Result, free_port, guarded_golden_run
 
+from chaos import procs
 from resilient import log
 from resilient.events import read_events
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Python commands the tests launch start as forks of one process that imported torch
+    once (chaos/forkserver.py: same pid, parent, session, stdio and exit as a fresh
+    interpreter), sparing each about 5 s of CPU. TEST_FRESH_INTERPRETERS=1 turns it off."""
+    if os.environ.get("TEST_FRESH_INTERPRETERS") == "1":
+        yield
+        return
+    procs.use_fork_server(tmp_path_factory.mktemp("forks"))
+    yield
+    procs.use_fork_server(None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreters(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked `fresh_interpreters` launch new interpreters (the real start path)."""
+    if request.node.get_closest_marker("fresh_interpreters") is None:
+        yield
+        return
+    with procs.fresh_interpreters():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -69,15 +99,10 @@ def python_proc(launcher: Launcher) -> Callable[..., Result]:
 
 
 @pytest.fixture(scope="session")
-def forked_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
+def forked_cli() -> ForkedCli:
     """`forked_cli(*commands, env=None, timeout=50)`: `resilient COMMAND` for each command,
-    each in a process of its own, forked from one that imported torch and the CLI's code
-    once for the session (tests/workers/cli_forks.py); CompletedProcess results in order."""
-    forks = ForkedCli(tmp_path_factory.mktemp("cli_forks"))
-    yield forks
-    forks.close()
-    # an import that prints (a warning) would reach each real command's stderr
-    assert forks.err.read_text() == "", forks.err.read_text()[-4000:]
+    side by side, each a process of its own; CompletedProcess results in order."""
+    return ForkedCli()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 from pathlib import Path
@@ -110,75 +109,40 @@ def start(cmd: list[str], log: Path, *, env: dict[str, str] | None = None) -> Ru
     return Run(cmd, log_path=log, env=env)
 
 
-# ---------------------------------------------------------------------- the CLI, forked
+# ---------------------------------------------------------------------- the CLI
 class ForkedCli:
-    """`resilient COMMAND` for each command, side by side, forked from one process that has
-    imported the CLI and torch (tests/workers/cli_forks.py); results in order. A call cut
-    short (its timeout, or the test's) ends that process; the next call starts another."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.err = tmp / "forks.stderr"
-        self.calls = 0
-        self.proc: subprocess.Popen[str] | None = None
-
-    def _start(self) -> subprocess.Popen[str]:
-        with self.err.open("a") as err:
-            self.proc = spawn(
-                [sys.executable, str(WORKERS / "cli_forks.py")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                cwd=REPO_ROOT,
-            )
-        assert self._line(self.proc, 120) == "ready", self.err.read_text()[-4000:]
-        return self.proc
-
-    def _line(self, proc: subprocess.Popen[str], timeout: float) -> str:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            pytest.fail(f"the CLI's forks gave no answer in {timeout} s")
-        return proc.stdout.readline().strip()
+    """`resilient COMMAND` for each command, side by side, each a process of its own (forked
+    by the session's fork server: conftest.py); CompletedProcess results in order. `env` is
+    the commands' whole environment (ours when None)."""
 
     def __call__(
         self, *commands: list[str], env: dict[str, str] | None = None, timeout: float = 50
     ) -> list[subprocess.CompletedProcess[str]]:
-        self.calls += 1
-        jobs = []
-        for i, args in enumerate(commands):
-            base = self.tmp / f"call{self.calls}-{i}"
-            jobs.append(
-                {
-                    "args": args,
-                    "env": dict(os.environ) if env is None else env,
-                    "cwd": str(REPO_ROOT),
-                    "out": f"{base}.out",
-                    "err": f"{base}.err",
-                }
+        procs = [
+            spawn(
+                [sys.executable, "-m", "resilient.cli", *args],
+                env=dict(os.environ) if env is None else env,
+                inherit_env=False,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
-        try:
-            proc = self.proc or self._start()
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(jobs) + "\n")
-            proc.stdin.flush()
-            codes = json.loads(self._line(proc, timeout))
-        except BaseException:
-            self.close()  # its answer would come to the next call
-            raise
-        return [
-            subprocess.CompletedProcess(
-                job["args"], code, Path(job["out"]).read_text(), Path(job["err"]).read_text()
-            )
-            for job, code in zip(jobs, codes, strict=True)
+            for args in commands
         ]
-
-    def close(self) -> None:
-        if self.proc is not None:
-            kill_tree(self.proc.pid, groups=(self.proc.pid,))
-            self.proc.wait(timeout=10)
-            self.proc = None
+        try:
+            done = []
+            for args, proc in zip(commands, procs, strict=True):
+                try:
+                    out, err = proc.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"resilient {' '.join(args)} gave no answer in {timeout} s")
+                done.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+            return done
+        finally:
+            for proc in procs:
+                kill_tree(proc.pid, groups=(proc.pid,))
+                proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------- `resilient run`

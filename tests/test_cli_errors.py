@@ -3,9 +3,9 @@
 The real command, each in a process of its own (a test's commands run side by side). Each
 must exit 2 with exactly one line on stderr that names the location and the fix, and no
 credential anywhere in its output. A command's start imports torch (seconds, and minutes
-for all of them on a loaded machine): `python -m resilient.cli` is forked from one process
-that imported it once (tests/workers/cli_forks.py), which must itself print nothing on
-stderr; `resilient --help` starts a fresh interpreter. S3 cases talk to moto's
+for all of them on a loaded machine): `python -m resilient.cli` is forked from the session's
+fork server (chaos/forks/), which is not used if its own imports print anything;
+`resilient --help` starts a fresh interpreter. S3 cases talk to moto's
 server on 127.0.0.1 (tests/s3_fixtures.py): AWS_ENDPOINT_URL points there, the AWS config
 files and the instance-metadata lookup are switched off.
 """

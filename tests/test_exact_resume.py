@@ -24,7 +24,9 @@ from chaos.procs import REPO, Run, events, latest_event, torchrun_cmd, wait_for
 from chaos.scenario import Scenario
 from resilient.envvars import ENV_WATCHDOG
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+# new interpreters, each importing torch and drawing its own hash seed: the real start path,
+# compared bitwise with the goldens, which the session's fork servers ran (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.fresh_interpreters]
 
 K = 12  # steps per half; the corpus below gives 19 steps per epoch, so 2K crosses one
 COMMON = ["--corpus-chars", "20000", "--batch-size", "8", "--save-every", "4", "--log-every", "1"]

@@ -1,7 +1,7 @@
 """The node gate of `resilient run` (resilient/supervisor/gate.py): the straggler score the
 watchdog logs, the eviction rule over it, the health checks' verdict before the first round,
-and the operability flags' bad input. `resilient run` stopped by its gate is forked from the
-session's process that imported the CLI once (conftest.py's forked_cli)."""
+and the operability flags' bad input. `resilient run` stopped by its gate runs through
+conftest.py's forked_cli."""
 
 from __future__ import annotations
 
