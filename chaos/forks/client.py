@@ -165,6 +165,7 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
         argv = list(a["args"]) if isinstance(a["args"], (list, tuple)) else None
         parsed = parse_python_argv([os.fspath(x) for x in argv]) if argv else None
         env = dict(a["env"]) if a["env"] is not None else dict(os.environ)
+        env.update(parsed.pop("env", {}) if parsed else {})  # `env K=V` in the command line
         plain = (
             parsed is not None
             and a["executable"] is None

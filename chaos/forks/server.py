@@ -23,6 +23,7 @@ from typing import Any
 from chaos.forks.client import ForkedPopen, ForkServer, ForkServers, be_subreaper, set_servers
 from chaos.forks.wire import PR_SET_PDEATHSIG, import_time_env, recv, send
 
+_CLONE_NEWNET = 0x40000000
 # what a rank, a supervisor and the chaos wrapper import: loaded by the server, once
 # (not the modules the commands run with -m: runpy runs those afresh as __main__)
 _PRELOAD = (
@@ -51,6 +52,8 @@ def _become(job: dict[str, Any], fds: list[int], base_path: list[str], parent: i
     try:
         while os.getppid() != parent:  # the middle process exits at once
             os.sched_yield()
+        if job.get("netns"):  # what `ip netns exec NS` does for the network
+            _enter_netns(job["netns"])
         if job["new_session"]:
             os.setsid()
         for target, fd in enumerate(fds):
@@ -93,6 +96,15 @@ def _become(job: dict[str, Any], fds: list[int], base_path: list[str], parent: i
     finally:
         _flush()
         os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
 
 
 def _exit_code(code: object) -> int:

@@ -29,7 +29,22 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
 
 def parse_python_argv(argv: list[str]) -> dict[str, Any] | None:
     """`python [-u] -m MODULE ARGS` or `python [-u] SCRIPT ARGS` as {"module"|"script", "args",
-    "unbuffered"}; None for any other form (it is started fresh)."""
+    "unbuffered"}, behind an optional `ip netns exec NS [env K=V ...]` (chaos/netns.py's hosts:
+    "netns", "env"); None for any other form (it is started fresh)."""
+    found: dict[str, Any] = {}
+    if argv[:3] == ["ip", "netns", "exec"] and len(argv) > 4:
+        found["netns"], argv = argv[3], argv[4:]
+        if argv[0] == "env":
+            argv = argv[1:]
+            while argv and "=" in argv[0] and not argv[0].startswith("-"):
+                key, value = argv[0].split("=", 1)
+                found.setdefault("env", {})[key] = value
+                argv = argv[1:]
+    python = _parse_python(argv)
+    return None if python is None else {**python, **found}
+
+
+def _parse_python(argv: list[str]) -> dict[str, Any] | None:
     if not argv or os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
         return None
     rest, unbuffered = argv[1:], False
