@@ -66,8 +66,10 @@ def generation_over(launcher: Any, hot: HotMode) -> Callable[[], bool]:
 
 
 class Departures:
-    """The waiting side, polled from the watchdog's thread. `lost`: whether the agent started
-    the generation after this one (None: not known here, e.g. without hot recovery)."""
+    """The waiting side, polled from the watchdog's thread (and, on a survivor draining its
+    save on its way out, from the drain: two leavers' save threads may wait on each other).
+    `lost`: whether the agent started the generation after this one (None: not known here,
+    e.g. without hot recovery)."""
 
     def __init__(self, rank: int, stuck_s: float, lost: Callable[[], bool] | None = None) -> None:
         self.rank = rank
@@ -91,6 +93,12 @@ class Departures:
                 phase=progress.phase.name.lower(),
                 stuck_s=round(stuck_s, 3),
             )
+        return self.cut(store, progress)
+
+    def cut(self, store: Any, progress: Progress) -> int:
+        """Cut this process's connections to the survivors that left or said they are stuck
+        (those not cut yet); returns how many were cut now. Also a leaving survivor's, while
+        it drains its own save (Watchdog.cut_departed)."""
         if not store.check([storekeys.LEFT]):
             return 0
         gone: dict[int, set[tuple[str, int]]] = {}

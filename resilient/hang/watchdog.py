@@ -214,6 +214,15 @@ class Watchdog(Verdicts):
             with contextlib.suppress(*STORE_ERRORS):
                 announce(self._store, self.rank, self.progress.step)
 
+    def cut_departed(self) -> None:
+        """On a survivor leaving its generation, while it drains its in-flight save: cut its
+        connections to the survivors that left too. Their save threads may wait on this one's
+        in a checkpoint-group collective that the lost rank never joins, and this one's on
+        theirs; with every leaver's watchdog stopped nothing else would cut them loose."""
+        if self._store is not None and self.hot.enabled:
+            with contextlib.suppress(*STORE_ERRORS):
+                self._departures.cut(self._store, self.progress)
+
     def report_failure(self, *, oom: bool) -> None:
         """Mark this rank failed in its heartbeat, published at once."""
         self.progress.flags |= FLAG_FAILED | (FLAG_OOM if oom else 0)

@@ -290,7 +290,14 @@ class Runtime(Loops):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if not wiring.within(drain_s, self.checkpoints.wait):  # a save that lost the peer fails
+        # a save that lost the peer fails; one that waits on another leaver's is cut loose
+        drained = wiring.within(
+            drain_s,
+            self.checkpoints.wait,
+            meanwhile=self.watchdog.cut_departed,
+            every_s=self.watchdog.config.heartbeat_interval_s,
+        )
+        if not drained:
             return False
         # the replica exchange in flight fails at once on a lost peer; its group must not be
         # destroyed under it

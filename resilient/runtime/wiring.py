@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,9 +133,15 @@ def stage_hooks(model: nn.Module | None, rt: Any) -> list[Any]:
     return hooks
 
 
-def within(seconds: float, fn: Callable[[], Any]) -> bool:
+def within(
+    seconds: float,
+    fn: Callable[[], Any],
+    meanwhile: Callable[[], Any] | None = None,
+    every_s: float = 0.25,
+) -> bool:
     """Run `fn` on a daemon thread, ignoring what it raises; False when it has not returned
-    within `seconds` (it runs on: a call that lost its peer may never return)."""
+    within `seconds` (it runs on: a call that lost its peer may never return). `meanwhile`
+    runs every `every_s` while it waits (what it raises is ignored too)."""
     done = threading.Event()
 
     def run() -> None:
@@ -143,7 +150,15 @@ def within(seconds: float, fn: Callable[[], Any]) -> bool:
         done.set()
 
     threading.Thread(target=run, name="resilient-drain", daemon=True).start()
-    return done.wait(seconds)
+    if meanwhile is None:
+        return done.wait(seconds)
+    deadline = time.monotonic() + seconds
+    while not done.wait(max(0.0, min(every_s, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(Exception):
+            meanwhile()
+    return True
 
 
 def at_least_warning(level: str) -> str:
