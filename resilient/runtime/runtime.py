@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -290,19 +290,22 @@ class Runtime(Loops):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        # a save that lost the peer fails; one that waits on another leaver's is cut loose
-        drained = wiring.within(
-            drain_s,
-            self.checkpoints.wait,
-            meanwhile=self.watchdog.cut_departed,
-            every_s=self.watchdog.config.heartbeat_interval_s,
-        )
-        if not drained:
+
+        # a save or a replica exchange that lost the peer fails; one that waits on another
+        # leaver's (both in their collectives with this process) is cut loose meanwhile
+        def drain(wait: Callable[[], Any]) -> bool:
+            return wiring.within(
+                drain_s,
+                wait,
+                meanwhile=self.watchdog.cut_departed,
+                every_s=self.watchdog.config.heartbeat_interval_s,
+            )
+
+        if not drain(self.checkpoints.wait):
             return False
-        # the replica exchange in flight fails at once on a lost peer; its group must not be
-        # destroyed under it
+        # the replica exchange's group must not be destroyed under it
         replicas = self.snapshots.replicas
-        if replicas is not None and not replicas.wait(drain_s):
+        if replicas is not None and not drain(replicas.wait):
             return False
         if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
             self.lost_save = self._saved_step
