@@ -444,6 +444,10 @@ def test_a_hung_fsdp2_rank_is_named_alone_and_replaced_hot(
     assert not _events(tmp_path, "attempt.start")[1:], "no cold restart"
 
 
+# new interpreters: started from the fork servers, the run reaches the kill before the
+# survivors' snapshot replicas settle, and in 2 of 14 runs rank 0 was still draining its
+# replica exchange when the 3 s roll call named it (docs/hot-recovery.md, still open)
+@pytest.mark.fresh_interpreters
 def test_a_survivor_stopped_on_its_way_into_the_new_generation_is_named_and_goes_cold(
     golden: dict[int, str], tmp_path: Path
 ) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,16 +148,20 @@ def within(
             fn()
         done.set()
 
+    over = threading.Event()  # `meanwhile` never runs once this call returned
+
+    def beside() -> None:  # on a thread of its own: a `meanwhile` that blocks (a store
+        # call) must not keep the caller past `seconds`
+        while not done.wait(every_s) and not over.is_set():
+            with contextlib.suppress(BaseException):
+                meanwhile()  # type: ignore[misc]
+
     threading.Thread(target=run, name="resilient-drain", daemon=True).start()
-    if meanwhile is None:
-        return done.wait(seconds)
-    deadline = time.monotonic() + seconds
-    while not done.wait(max(0.0, min(every_s, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            return False
-        with contextlib.suppress(Exception):
-            meanwhile()
-    return True
+    if meanwhile is not None:
+        threading.Thread(target=beside, name="resilient-drain-meanwhile", daemon=True).start()
+    finished = done.wait(seconds)
+    over.set()
+    return finished
 
 
 def at_least_warning(level: str) -> str:
