@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -291,21 +291,11 @@ class Runtime(Loops):
             h.remove()
         self._hooks = []
 
-        # a save or a replica exchange that lost the peer fails; one that waits on another
-        # leaver's (both in their collectives with this process) is cut loose meanwhile
-        def drain(wait: Callable[[], Any]) -> bool:
-            return wiring.within(
-                drain_s,
-                wait,
-                meanwhile=self.watchdog.cut_departed,
-                every_s=self.watchdog.config.heartbeat_interval_s,
-            )
-
-        if not drain(self.checkpoints.wait):
+        # a save or replica exchange that lost the peer fails (one on a leaver's: cut loose)
+        if not wiring.drain(drain_s, self.checkpoints.wait, self.watchdog):
             return False
-        # the replica exchange's group must not be destroyed under it
         replicas = self.snapshots.replicas
-        if replicas is not None and not drain(replicas.wait):
+        if replicas is not None and not wiring.drain(drain_s, replicas.wait, self.watchdog):
             return False
         if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
             self.lost_save = self._saved_step

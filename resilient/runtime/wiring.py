@@ -164,6 +164,14 @@ def within(
     return finished
 
 
+def drain(seconds: float, wait: Callable[[], Any], watchdog: Any) -> bool:
+    """`within` for a survivor leaving its generation: while `wait` (its save or replica
+    exchange in flight) runs, cut its connections to the other survivors that left, whose
+    threads may wait on its own (Watchdog.cut_departed)."""
+    every = watchdog.config.heartbeat_interval_s
+    return within(seconds, wait, meanwhile=watchdog.cut_departed, every_s=every)
+
+
 def at_least_warning(level: str) -> str:
     order = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     return order[max(order.index(level.upper()), 2)]
