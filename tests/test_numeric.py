@@ -276,9 +276,10 @@ def test_a_bit_flipped_in_one_of_three_replicas_is_named_and_undone(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-# new interpreters: forked ranks reach the restart before save 8 commits in about 1 of 3
-# runs, and then there is no suspect checkpoint to skip (what the test is about)
-@pytest.mark.fresh_interpreters
+# make soak: whether save 8 commits before the restart is a race (failed in 3 of 5 full
+# suites on 2026-11-27, on forked and on new interpreters), and without that commit there
+# is no suspect checkpoint to skip, which is what the test is about
+@pytest.mark.extended
 def test_a_bit_flipped_while_an_async_save_copies_never_comes_back_from_that_checkpoint(
     golden_ddp: str, launcher: Launcher, tmp_path: Path
 ) -> None:
