@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from chaos import forks as forkserver
+from chaos import forks
 from resilient.events import iter_events
 from resilient.proctree import alive, descendants, kill_tree
 
@@ -49,24 +49,24 @@ def spawn(
     environment with `inherit_env=False`); `popen` goes to subprocess.Popen."""
     full = {**(os.environ if inherit_env else {}), **(env or {})}
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
-    popen_class = forkserver.ForkedPopen if _FORKS is not None and not _FRESH else subprocess.Popen
+    popen_class = forks.ForkedPopen if _FORKS is not None and not _FRESH else subprocess.Popen
     return popen_class(list(cmd), env=full, cwd=cwd or REPO, start_new_session=True, **popen)
 
 
-_FORKS: forkserver.ForkServers | None = None
+_FORKS: forks.ForkServers | None = None
 _FRESH = False
 
 
 def use_fork_server(workdir: Path | None) -> None:
     """From now on `spawn` starts Python commands as forks of one process that imported torch
-    and the runtime once (chaos/forkserver.py), with the same pid, parent, session, stdio,
+    and the runtime once (chaos/forks/), with the same pid, parent, session, stdio,
     environment and exit as a fresh interpreter; `None` stops that and ends the server. It
     spares each start about 5 s of CPU: the tests turn it on for their session."""
     global _FORKS
     if _FORKS is not None:
         _FORKS.close()
-    _FORKS = forkserver.ForkServers(workdir) if workdir is not None else None
-    forkserver.set_servers(_FORKS)
+    _FORKS = forks.ForkServers(workdir) if workdir is not None else None
+    forks.set_servers(_FORKS)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from resilient.events import read_events
 @pytest.fixture(scope="session", autouse=True)
 def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Python commands the tests launch start as forks of one process that imported torch
-    once (chaos/forkserver.py: same pid, parent, session, stdio and exit as a fresh
+    once (chaos/forks/: same pid, parent, session, stdio and exit as a fresh
     interpreter), sparing each about 5 s of CPU. TEST_FRESH_INTERPRETERS=1 turns it off."""
     if os.environ.get("TEST_FRESH_INTERPRETERS") == "1":
         yield

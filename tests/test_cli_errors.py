@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from helpers import ForkedCli
+
+from chaos.procs import fresh_interpreters
 
 if TYPE_CHECKING:  # imported by pytest as a plugin (see tests/test_s3.py)
     from s3_fixtures import S3Env
@@ -27,7 +28,6 @@ if TYPE_CHECKING:  # imported by pytest as a plugin (see tests/test_s3.py)
 pytest_plugins = ["s3_fixtures"]  # moto_endpoint, s3
 pytestmark = pytest.mark.timeout(120)  # the first test waits for the forks' imports
 
-REPO = Path(__file__).resolve().parent.parent
 CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 # in a URL only, never in the environment: only the URL's redaction can hide them
 URL_KEY, URL_SECRET = "AKIDINTHEURLONLY9X3", "urlOnlySecret/Qp7Lm2Wv"
@@ -37,32 +37,6 @@ Done = subprocess.CompletedProcess[str]
 @pytest.fixture
 def cli(forked_cli: ForkedCli) -> ForkedCli:
     return forked_cli
-
-
-def real_cli(*commands: list[str]) -> list[Done]:
-    """`python -m resilient.cli COMMAND` for each command in a fresh interpreter, side by side;
-    results in order."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "resilient.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        for args in commands
-    ]
-    try:
-        done = []
-        for args, proc in zip(commands, procs, strict=True):
-            out, err = proc.communicate(timeout=50)
-            done.append(Done(args, proc.returncode, out, err))
-        return done
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def one_line(out: Done, *expected: str, secrets: tuple[str, ...] = ()) -> str:
@@ -174,7 +148,9 @@ def test_every_help_exits_0(cli: ForkedCli) -> None:
     """`resilient --help` in a fresh interpreter (the entry point as a user starts it); each
     command's help forked (`run --help` alone imports torch: the launcher's parser)."""
     commands = ["", "run", "check-resume", "ls", "verify", "report", "export"]
-    helps = [*real_cli(["--help"]), *cli(*([c, "--help"] for c in commands[1:]))]
+    with fresh_interpreters():
+        real = cli(["--help"])
+    helps = [*real, *cli(*([c, "--help"] for c in commands[1:]))]
     for command, out in zip(commands, helps, strict=True):
         told = f"resilient {command} --help: rc={out.returncode}\n{out.stderr[-3000:]}"
         assert out.returncode == 0, told

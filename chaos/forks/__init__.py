@@ -18,7 +18,8 @@ What the started process sees is what a fresh interpreter would have given it:
   SystemExit, or death by the signal that killed it.
 The difference: modules imported by the server are not imported again, so an environment
 variable read at import time (thread counts, torch's and Python's own) must be the same as the
-server's; a command whose environment differs in one of those is started fresh instead.
+server's; a command whose environment differs in one of those gets a server of its own (in a
+launcher's nursery: a fresh start). A command behind `ip netns exec NS` joins that namespace.
 
 Only the caller's subreaper mark changes how its own subtree behaves: a process orphaned
 below it is reparented to it, not to init, and stays a zombie until the caller exits (harmless

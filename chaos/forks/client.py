@@ -24,7 +24,7 @@ from chaos.forks.wire import (
     recv,
 )
 
-# not `-m chaos.forkserver`: this module must be one module in the server, not also __main__
+# not `-m chaos.forks.server`: that module must be one module in the server, not also __main__
 _SERVER_MAIN = "import sys; from chaos.forks.server import serve; serve(sys.argv[1])"
 
 
@@ -119,22 +119,23 @@ class ForkServers:
         if os.getpid() != self.owner:  # a fork of the caller: its servers are not its own
             return None
         key = import_time_env(env)
-        if not self.start_more and frozenset(key.items()) not in self.servers:
-            if os.environ.get("FS_DEBUG"):
-                print("FS nursery miss", key, list(self.servers), file=sys.stderr)
-            return None
+        slot = frozenset(key.items())
         with self.lock:
-            server = self.servers.get(frozenset(key.items()), ForkServer(self.workdir, key))
-            if server is not None and server.nursery and not server.running():
-                server = None  # a nursery is not restarted: the launcher has threads by now
-            if server is not None and not server.running():
+            if slot not in self.servers:
+                if not self.start_more:
+                    return None
+                self.servers[slot] = ForkServer(self.workdir, key)
+            server = self.servers[slot]
+            if server is None or server.running():
+                return server
+            if not server.nursery:  # a nursery is not restarted: its launcher has threads now
                 try:
                     server.start_server()
+                    return server
                 except Exception as e:
-                    print(f"chaos.forkserver: not used ({type(e).__name__}: {e})", file=sys.stderr)
-                    server = None
-            self.servers[frozenset(key.items())] = server
-            return server
+                    print(f"chaos.forks: not used ({type(e).__name__}: {e})", file=sys.stderr)
+            self.servers[slot] = None
+            return None
 
     def adopt(self, key: dict[str, str], server: ForkServer) -> None:
         self.servers[frozenset(key.items())] = server
