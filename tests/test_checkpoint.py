@@ -360,11 +360,17 @@ def test_zip_crc_is_skipped_only_in_the_thread_that_asks() -> None:
     assert all(c != 0 for c in crcs())
 
 
-def test_a_fresh_optimizer_is_loaded_without_a_step_and_bitwise_as_stock() -> None:
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+def test_a_fresh_optimizer_is_loaded_without_a_step_and_bitwise_as_stock(flat: bool) -> None:
     """TrainState.apply loads into a fresh optimizer without set_optimizer_state_dict's
     zero-gradient step first (checkpoint/_torch_compat.py, no_init_step): the same state as
-    the stock load, bit for bit, and the optimizer's step hooks never see a step."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    the stock load, bit for bit, and the optimizer's step hooks never see a step. `flat`: the
+    per-parameter format pipeline stages save, whose loader takes the state names from the
+    live optimizer (a hot-recovered stage once came back with an empty AdamW state)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -378,15 +384,16 @@ def test_a_fresh_optimizer_is_loaded_without_a_step_and_bitwise_as_stock() -> No
         m(torch.randn(8, 16)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    sd = TrainState(model=m, optimizer=opt).to_state_dict(step=3, rank=0)
+    sd = TrainState(model=m, optimizer=opt, pipeline=flat).to_state_dict(step=3, rank=0)
 
     ours_m, ours = build()
     steps: list[int] = []
     ours.register_step_post_hook(lambda *_: steps.append(1))
-    TrainState(model=ours_m, optimizer=ours).apply(sd, rank=0)
+    TrainState(model=ours_m, optimizer=ours, pipeline=flat).apply(sd, rank=0)
     stock_m, stock = build()
     stock_m.load_state_dict(m.state_dict())
-    set_optimizer_state_dict(stock_m, stock, sd["optim"])
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    set_optimizer_state_dict(stock_m, stock, sd["optim"], options=options)
 
     assert not steps
     assert len(ours.state) == len(stock.state) == 3  # the frozen bias has none
@@ -395,6 +402,12 @@ def test_a_fresh_optimizer_is_loaded_without_a_step_and_bitwise_as_stock() -> No
         assert p_ours.grad is None
         for k, v in stock.state.get(p_stock, {}).items():
             assert torch.equal(ours.state[p_ours][k], v), k
+    saved = opt.param_groups[0]["params"]
+    for p_saved, p_ours in zip(saved, ours.param_groups[0]["params"], strict=True):
+        for k, v in opt.state[p_saved].items():  # and the saved run's state itself
+            assert torch.equal(ours.state[p_ours][k], v), k
+    if flat:
+        return
     # a load that fails leaves the fresh optimizer as it was
     fresh_m, fresh = build()
     partial = {"state": {"0.weight": sd["optim"]["state"]["0.weight"]}, "param_groups": []}

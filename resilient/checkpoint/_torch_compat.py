@@ -184,21 +184,36 @@ if "state" not in _init_optim_state.__code__.co_names:  # pragma: no cover
     raise _missing("_init_optim_state's check of optim.state", "it no longer looks at it")
 
 
+# The flattened format (flatten_optimizer_state_dict, what pipeline stages save) is read back
+# by _unflatten_optim_state_dict, which takes each parameter's state names from the live
+# optimizer.state[param]: on a fresh optimizer with one empty placeholder it found no names
+# and loaded an empty state, silently (a hot-recovered pipeline stage restarted Adam from
+# zero). For that format every parameter gets a placeholder holding its state names.
+
+
 @contextlib.contextmanager
-def no_init_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def no_init_step(
+    optimizer: torch.optim.Optimizer,
+    state_names: dict[torch.Tensor, list[str]] | None = None,
+) -> Iterator[None]:
     """Inside, set_optimizer_state_dict loads into a fresh `optimizer` without stepping it
-    first. The placeholder is gone after a load (the state is replaced) or taken out here."""
+    first. `state_names`: for a flattened state dict, each parameter's state names in it
+    (empty: not known, and DCP's own step names them). The placeholders are gone after a
+    load (the state is replaced) or taken out here."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if optimizer.state or not params:
+    if optimizer.state or not params or state_names == {}:
         yield
         return
-    placeholder: dict[str, Any] = {}
-    optimizer.state[params[0]] = placeholder
+    placeholders: dict[torch.Tensor, dict[str, Any]] = {params[0]: {}}
+    if state_names is not None:
+        placeholders = {p: dict.fromkeys(names) for p, names in state_names.items()}
+    optimizer.state.update(placeholders)
     try:
         yield
     finally:
-        if optimizer.state.get(params[0]) is placeholder:  # the load did not happen
-            del optimizer.state[params[0]]
+        for p, placeholder in placeholders.items():
+            if optimizer.state.get(p) is placeholder:  # the load did not happen
+                del optimizer.state[p]
 
 
 # --- 6. the name DCP gives a model's parameter or state-dict key --------------------------------

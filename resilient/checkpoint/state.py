@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from resilient.checkpoint._state_dicts import StateDicts
-from resilient.checkpoint._torch_compat import no_init_step
+from resilient.checkpoint._torch_compat import FQNS_UNAVAILABLE, fqns_of, no_init_step
 
 __all__ = [
     "StatefulLike",
@@ -207,10 +207,13 @@ class TrainState:
                     # group keeps the parameters this stage holds (a no-op otherwise)
                     for g, own in zip(osd["param_groups"], self._own, strict=False):
                         g["params"] = [p for p in g["params"] if p in set(own)]
-                with no_init_step(self.optimizer):  # no zero-gradient step first: see there
+                fqns = _fqn_by_param(self.model, self.optimizer)
+                names = _flat_state_names(osd, fqns) if flat_optim else None
+                with no_init_step(self.optimizer, names):  # no zero-gradient step: see there
                     set_optimizer_state_dict(
                         self.model, self.optimizer, osd, options=_FLAT if flat_optim else None
                     )
+                _check_optimizer_loaded(self.optimizer, osd, fqns, flat=flat_optim)
         common = _unpack(sd["common"])
         for k, obj in self.common.items():
             if k in common:
@@ -227,6 +230,62 @@ class TrainState:
 
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _fqn_by_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, str]:
+    """The DCP name of each parameter the optimizer steps ({} on a torch that cannot say)."""
+    if FQNS_UNAVAILABLE:
+        return {}
+    by_param = {p: name for name, p in model.named_parameters()}
+    out = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p in by_param:
+                out[p] = min(fqns_of(model, by_param[p]))
+    return out
+
+
+def _flat_state_names(
+    osd: dict[str, Any], fqns: dict[torch.Tensor, str]
+) -> dict[torch.Tensor, list[str]]:
+    """Each parameter's state names in a flattened optimizer state dict ("state.<fqn>.<name>",
+    a nested value's name followed by its own keys)."""
+    out: dict[torch.Tensor, list[str]] = {}
+    for p, fqn in fqns.items():
+        prefix = f"state.{fqn}."
+        names = {k[len(prefix) :].split(".")[0] for k in osd if k.startswith(prefix)}
+        if names:
+            out[p] = sorted(names)
+    return out
+
+
+def _leaves(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return sum(_leaves(v) for v in obj.values())
+    return 1
+
+
+def _check_optimizer_loaded(
+    optimizer: torch.optim.Optimizer,
+    osd: dict[str, Any],
+    fqns: dict[torch.Tensor, str],
+    *,
+    flat: bool,
+) -> None:
+    """RuntimeError when a parameter's optimizer state in `osd` did not arrive in the
+    optimizer: the run would go on from other moments than the saved run, not bit for bit."""
+    for p, fqn in fqns.items():
+        if flat:
+            prefix = f"state.{fqn}."
+            want = sum(1 for k in osd if k.startswith(prefix))
+        else:
+            want = _leaves(osd["state"][fqn]) if fqn in osd.get("state", {}) else 0
+        got = _leaves(optimizer.state[p]) if p in optimizer.state else 0
+        if got != want:
+            raise RuntimeError(
+                f"the optimizer state of {fqn!r} was not loaded: {want} values saved, "
+                f"{got} in the optimizer after the load; continuing would not be bit for bit"
+            )
 
 
 def _blob(obj: dict[str, Any], *, later: bool, rng: Any = None) -> Any:
