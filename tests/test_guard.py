@@ -260,3 +260,22 @@ def test_oom_after_the_agreement_releases_peers_blocked_in_the_allreduce(tmp_pat
     fault = only_event(run, "fault.detected")
     assert fault["kind"] == "failure" and fault["ranks"] == [1]
     assert json.loads((run / SPLIT_FILE).read_text())["split"] == 2
+
+
+def test_an_error_torch_rewraps_is_judged_by_its_cause() -> None:
+    """A pipeline stage re-raises its backward's error as "Failed to run stage backward"
+    with the original as the cause: a peer's loss in DDP's all-reduce there is the peer's,
+    and an OOM there is an OOM, not this rank's own exception."""
+    from resilient.guard.failure import classify
+
+    def wrapped(cause: BaseException) -> RuntimeError:
+        try:
+            raise RuntimeError("Failed to run stage backward:\n Stage output: ...") from cause
+        except RuntimeError as e:
+            return e
+
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1")
+    assert classify(wrapped(peer)) == "peer"
+    assert classify(wrapped(torch.OutOfMemoryError("CUDA out of memory"))) == "oom"
+    assert classify(wrapped(ValueError("shape mismatch"))) == "exception"
+    assert classify(ValueError("shape mismatch")) == "exception"

@@ -18,11 +18,18 @@ __all__ = ["classify", "short"]
 def classify(exc: BaseException) -> str:
     """The kind of `exc`: "oom", "peer" (a collective failed because a peer is gone) or
     "exception"."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    # torch re-raises some errors as its own, the original as the cause (a pipeline stage's
+    # "Failed to run stage backward" over the gloo error of DDP's all-reduce in it)
+    chain: list[BaseException] = []
+    at: BaseException | None = exc
+    while at is not None and at not in chain and len(chain) < 8:
+        chain.append(at)
+        at = at.__cause__
+    if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
         return "oom"
     # A failing collective after a peer died or hung: not this rank's fault. The monitor
     # names the culprit; this rank only waits for its verdict.
-    if isinstance(exc, dist.DistError) or is_peer_loss_message(str(exc)):
+    if any(isinstance(e, dist.DistError) or is_peer_loss_message(str(e)) for e in chain):
         return "peer"
     return "exception"
 
