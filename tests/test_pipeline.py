@@ -115,6 +115,7 @@ def _launch(
     restarts: int = 0,
     code: int = 0,
     env: dict[str, str] | None = None,
+    hot: bool = False,
 ) -> str:
     argv = [
         f"--nproc-per-node={nproc}",
@@ -122,6 +123,9 @@ def _launch(
         f"--run-dir={out / 'run'}",
         f"--checkpoint-url={out / 'ckpt'}",
     ]
+    if hot:  # a snapshot every step: a kill loses at most the step it interrupted
+        argv += ["--hot-recovery", "--monitor-interval=0.05"]
+        env = {"RESILIENT_SNAPSHOT": json.dumps({"enabled": True, "every_steps": 1}), **(env or {})}
     if faults:
         argv += ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--"]
     argv += [WORKER, f"--record={out / 'rec'}", f"--batch={BATCH}", *args]
@@ -136,16 +140,17 @@ def _launch(
     return err
 
 
-_GOLD: dict[tuple[str, ...], Path] = {}
+_GOLD: dict[tuple[object, ...], Path] = {}
 
 
-def _gold(factory: pytest.TempPathFactory, launcher: Launcher, *args: str) -> Path:
-    """The fault-free 2-rank run of `args`, launched once per session (tests share it)."""
-    if args not in _GOLD:
+def _gold(factory: pytest.TempPathFactory, launcher: Launcher, *args: str, nproc: int = 2) -> Path:
+    """The fault-free run of `args` on `nproc` ranks, launched once per session (tests share
+    it)."""
+    if (nproc, *args) not in _GOLD:
         out = factory.mktemp("gold")
-        _launch(launcher, out, 2, *args)
-        _GOLD[args] = out
-    return _GOLD[args]
+        _launch(launcher, out, nproc, *args)
+        _GOLD[(nproc, *args)] = out
+    return _GOLD[(nproc, *args)]
 
 
 def _digests(out: Path) -> dict[int, str]:
@@ -227,12 +232,15 @@ def test_a_killed_stage_rank_resumes_cold_bit_for_bit(
     ids=["pp2xdp2", "pp4"],
 )
 def test_four_ranks_resume_cold_bit_for_bit_after_a_kill(
-    tmp_path: Path, launcher: Launcher, layout: tuple[str, str]
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    launcher: Launcher,
+    layout: tuple[str, str],
 ) -> None:
     """pp=2 x dp=2 (DDP over each stage's replicas) and pp=4: rank 2 (stage 0 of the second
     replica, or stage 2) is SIGKILLed at step 10; the cold restart ends bit for bit equal."""
     common = (*layout, "--steps=12", "--save-every=4")
-    _launch(launcher, tmp_path / "gold", 4, *common)
+    gold_dir = _gold(tmp_path_factory, launcher, *common, nproc=4)
     _launch(
         launcher,
         tmp_path / "kill",
@@ -241,10 +249,61 @@ def test_four_ranks_resume_cold_bit_for_bit_after_a_kill(
         faults=("kill@rank=2,step=10,phase=forward",),
         restarts=1,
     )
-    gold, kill = _digests(tmp_path / "gold"), _digests(tmp_path / "kill")
+    gold, kill = _digests(gold_dir), _digests(tmp_path / "kill")
     assert sorted(gold) == [0, 1, 2, 3] and gold == kill
     assert {e["rank"] for e in run_events(tmp_path / "kill" / "run", "ckpt.load")} == {0, 1, 2, 3}
     assert not run_events(tmp_path / "kill" / "run", "resume.diverged")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("layout", "killed", "peer"),
+    [
+        (("--pp=2", "--dp=1"), 1, None),
+        (("--pp=2", "--dp=2"), 3, 1),
+        pytest.param(("--pp=4", "--dp=1"), 2, None, marks=pytest.mark.extended),
+    ],
+    ids=["pp2", "pp2xdp2", "pp4"],
+)
+def test_a_lost_stage_rank_is_replaced_hot_bit_for_bit(
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    launcher: Launcher,
+    layout: tuple[str, str],
+    killed: int,
+    peer: int | None,
+) -> None:
+    """A stage rank SIGKILLed in its backward under --hot-recovery is replaced hot, in the
+    same attempt: the survivors keep their stages, and the run ends bit for bit equal to the
+    fault-free one. A stage's state exists on its stage's ranks only, so with one replica
+    (pp2, pp4) the replacement restores from its buddy's whole replica of its snapshot; with
+    DDP replicas of each stage (pp2xdp2) from its replicate peer's own snapshot (`peer`),
+    and no rank keeps a second copy of a stage."""
+    common = (*layout, "--steps=12", "--save-every=4")
+    nproc = 4 if layout != ("--pp=2", "--dp=1") else 2
+    gold_dir = _gold(tmp_path_factory, launcher, *common, nproc=nproc)
+    out = tmp_path / "hot"
+    fault = f"kill@rank={killed},step=6,phase=backward"
+    _launch(launcher, out, nproc, *common, faults=(fault,), hot=True)
+    assert _digests(out) == _digests(gold_dir) and len(_digests(out)) == nproc
+    assert not run_events(out / "run", "recovery.cold"), "went cold"
+    assert len({r["attempt"] for r in records(out / "rec")}) == 1  # no restart
+    formed = {int(e["rank"]): e for e in run_events(out / "run", "recovery.hot.formed")}
+    assert sorted(formed) == list(range(nproc)), formed
+    new = formed[killed]
+    assert new["survivor"] is False and new["to_step"] in (5, 6), new
+    assert new["from_replicate_peer"] is (peer is not None)
+    memory = {(e["copies"], e["replica"]) for e in run_events(out / "run", "snapshot.memory")}
+    if peer is None:
+        assert memory == {(4, "whole")}, memory  # its own two copies and its ward's two
+    else:
+        assert new["from_rank"] == peer and memory == {(2, "per-rank part")}, (new, memory)
+    # every rank held its stage through the recovery: stage = rank's pp coordinate
+    pp = int(layout[0].removeprefix("--pp="))
+    assert {(r["rank"], r["stage"]) for r in records(out / "rec")} == {
+        (r, r % pp) for r in range(nproc)
+    }
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from resilient.checkpoint._torch_compat import no_init_step
-from resilient.checkpoint.state import state_digest
+from resilient.checkpoint.state import TrainState, state_digest
 from resilient.errors import ConfigError
 from resilient.groups.groups import DistContext
 from resilient.memory.interval import MAX_EVERY, Measurements, wanted_interval
@@ -194,6 +194,17 @@ def test_a_shard_crosses_to_a_new_mesh_bit_for_bit_and_a_misfit_is_refused(
             rehydrate(wrong, new)
         with pytest.raises(ValueError, match="no sharded parameter"):
             rehydrate(shards, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+
+        # the whole state as TrainState saves and applies it, in both optimizer formats
+        # (flat: per parameter, what a pipeline stage of FSDP2 shards saves)
+        for flat in (False, True):
+            saved = TrainState(model=old, optimizer=opt, pipeline=flat)
+            shards = localize(saved.to_state_dict(step=1, rank=0))
+            new, opt2 = build()
+            TrainState(model=new, optimizer=opt2, pipeline=flat).apply(
+                rehydrate(shards, new), rank=0
+            )
+            assert state_digest(new, opt2) == state_digest(old, opt), flat
     finally:
         dist.destroy_process_group()
 

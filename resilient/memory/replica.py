@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -119,9 +119,22 @@ def rehydrate(sd: dict[str, Any], model: nn.Module | None) -> dict[str, Any]:
         out["model"] = {k: each(k, v) for k, v in sd["model"].items()}
     if "optim" in sd:
         optim = dict(sd["optim"])
-        optim["state"] = {k: each(k, v) for k, v in optim.get("state", {}).items()}
+        if "state" in optim or not any(k.startswith("state.") for k in optim):
+            optim["state"] = {k: each(k, v) for k, v in optim.get("state", {}).items()}
+        else:  # flattened per parameter, "state.<fqn>.<name>" (what pipeline stages save)
+            optim = {
+                k: each(_flat_fqn(k, live), v) if k.startswith("state.") else v
+                for k, v in optim.items()
+            }
         out["optim"] = optim
     return out
+
+
+def _flat_fqn(key: str, names: Mapping[str, Any]) -> str:
+    """The parameter a flattened optimizer key "state.<fqn>.<name>" belongs to: the longest
+    of `names` it starts with (the key less its prefix when none does)."""
+    rest = key.removeprefix("state.")
+    return max((n for n in names if rest.startswith(f"{n}.")), key=len, default=rest)
 
 
 # ---------------------------------------------------------------- state on the wire

@@ -176,7 +176,9 @@ class Snapshots:
         self.replicate = replicate
         self.replicas = replicas
         self.sharded = False
-        """The tracked model holds DTensors (FSDP2): its shards exist on this rank only."""
+        """This rank's model state is not on every rank: the model holds DTensors (FSDP2,
+        tp) or the mesh splits it (a pipeline stage). It exists on this rank only, or on its
+        replicate peers."""
         self.copies = 2
         """Buffers of this rank's snapshot size held here: its own two, and under hot
         recovery of sharded state the ward's two."""
@@ -206,8 +208,10 @@ class Snapshots:
         if not self.enabled:
             return
         size = _estimate(state, self.ctx.rank)
-        self.sharded = state.model is not None and any(
-            isinstance(p, DTensor) for p in state.model.parameters()
+        # a pipeline stage's plain tensors exist on its stage's ranks only, as shards do
+        self.sharded = state.model is not None and (
+            any(isinstance(p, DTensor) for p in state.model.parameters())
+            or (layout is not None and layout.model_parallel)
         )
         peers = layout.replicas(self.ctx.rank) if layout is not None else [self.ctx.rank]
         self.peered = self.sharded and len(peers) > 1

@@ -168,6 +168,7 @@ def main() -> None:
             "step": step,
             "ids": [int(i) for i in idx],
             "loss": None if loss is None else float(loss),
+            "digest": digest(model, opt)[:16],  # after the update: where two runs part
             "t": time.time(),
         }
         rec.write(json.dumps(line) + "\n")
