@@ -27,6 +27,8 @@ import time
 from typing import Any
 
 from resilient.envvars import ENV_GENERATION
+from resilient.groups.exits import exit_past_teardown
+from resilient.groups.groups import left_generations_behind
 from resilient.hot import carry, reform
 from resilient.hot.recovery import HotRestart, divert_escaped
 from resilient.runtime.runtime import current
@@ -77,6 +79,24 @@ def _uncaught_handler() -> Any:
         return None
 
 
+def _leave(end: BaseException | None) -> None:
+    """The script ended (`end`: its SystemExit or exception, None for a return). In a process
+    that left a generation behind (a hot recovery's survivor), end it here as python would,
+    less the interpreter's teardown, which would free that generation's process groups and
+    can hang in a gloo destructor (groups/exits.py). Elsewhere return: python ends it."""
+    if not left_generations_behind():
+        return
+    if end is None:
+        exit_past_teardown(0)
+    if isinstance(end, SystemExit):
+        if end.code is None or isinstance(end.code, int):
+            exit_past_teardown(end.code or 0)
+        print(end.code, file=sys.stderr)  # what python does with a non-int code
+        exit_past_teardown(1)
+    sys.excepthook(type(end), end, end.__traceback__)
+    exit_past_teardown(1)
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--spare"]:
         argv = _become_assigned()
@@ -89,16 +109,22 @@ def main(argv: list[str]) -> None:
     while True:
         try:
             _run(list(argv))
-            return
         except HotRestart:
             pass
+        except SystemExit as end:
+            _leave(end)
+            raise
         except Exception as exc:
             # A peer's loss noticed outside the guard (a user's own collective, a save that
             # finds the previous async write failed on the lost peer) escaped the script. The
             # excepthook would see it only after this wrapper returned, too late to run the
             # script again: hand it to the Runtime's guard here instead.
             if not divert_escaped(_uncaught_handler(), exc):
+                _leave(exc)
                 raise
+        else:
+            _leave(None)
+            return
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
         # collect them, so their finalizers run before the next generation starts.
         t0 = time.monotonic()

@@ -640,3 +640,47 @@ def test_losing_worker_rank_0_of_several_nodes_is_replaced_hot(
     for run in runs:
         assert not run_events(run, "recovery.cold")
         assert not run_events(run, "attempt.start")[1:], "no cold restart"
+
+
+_ENDS_PAST_TEARDOWN = """\
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from resilient.groups.exits import exit_past_teardown
+
+out = Path(sys.argv[1])
+
+class HangsWhenFreed:  # a stand-in for a left-behind gloo group: its destructor never returns
+    def __del__(self):
+        (out / "teardown").write_text("freed")
+        time.sleep(3600)
+
+kept = HangsWhenFreed()
+pool = ThreadPoolExecutor(1)  # an idle worker: stopped by threading's exit hooks, not joined
+pool.submit(int)
+def late():
+    time.sleep(0.3)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()  # non-daemon: waited for, as at a normal exit
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+exit_past_teardown(7)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_survivor_ends_as_python_would_without_freeing_what_it_left_behind(
+    tmp_path: Path,
+) -> None:
+    """A process that left a generation behind ends past the interpreter's teardown
+    (groups/exits.py): its non-daemon threads are joined and its atexit handlers run, with
+    its exit code, but nothing left alive is freed. The teardown once hung a pipeline
+    survivor after its last step, in a gloo group's destructor."""
+    script = tmp_path / "ends.py"
+    script.write_text(_ENDS_PAST_TEARDOWN)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], timeout=30, capture_output=True, text=True
+    )
+    assert done.returncode == 7, done.stderr
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "teardown").exists()

@@ -7,9 +7,11 @@ very collective that is stuck. These two leave at once, after flushing what was 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
+import threading
 from typing import Any, NoReturn
 
 from resilient.log import get_logger
@@ -28,3 +30,18 @@ def hard_exit(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to save
             stream.flush()
     os._exit(int(code))
+
+
+def exit_past_teardown(code: int) -> NoReturn:
+    """Leave as the interpreter would, less its final teardown: join the non-daemon threads,
+    run the atexit handlers, flush, exit with `code`. For a process that left a generation
+    behind in a hot recovery (groups.abandon_distributed): the teardown frees that
+    generation's process groups, and a gloo group's destructor joins its transport loop
+    thread, which can spin forever on the lost generation's pairs (seen at the end of 1 in
+    about 10 pipeline runs: every step done, the process never gone)."""
+    # what Py_FinalizeEx runs first, in its order (CPython's own hooks, 3.10-3.13): the
+    # threading module's exit hooks (executors stop their idle workers) and the joins of
+    # non-daemon threads, then the atexit handlers (logging's shutdown among them)
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    hard_exit(code)

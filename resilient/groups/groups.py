@@ -45,6 +45,7 @@ __all__ = [
     "abandon_distributed",
     "connect_pairs",
     "init_distributed",
+    "left_generations_behind",
     "shutdown_distributed",
 ]
 
@@ -198,10 +199,16 @@ def abandon_distributed(ctx: DistContext, *also: Any) -> None:
     collective of the lost generation that nothing ends. Run by the garbage collection that
     follows a survivor's unwinding, that join hung 4 of 15 HSDP recoveries
     (docs/hot-recovery.md). The cost: a few sockets and threads per recovery, at most
-    `--hot-max` per attempt."""
+    `--hot-max` per attempt. The interpreter's teardown would free them at the end, so such
+    a process ends past it (resilient/worker.py, groups/exits.py: exit_past_teardown)."""
     _LEFT_BEHIND.append((ctx.control_group, ctx.checkpoint_group, *also))
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def left_generations_behind() -> bool:
+    """This process left a generation's process groups behind (a hot recovery's survivor)."""
+    return bool(_LEFT_BEHIND)
 
 
 def shutdown_distributed(ctx: DistContext) -> None:
