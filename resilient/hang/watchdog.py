@@ -78,7 +78,7 @@ class Watchdog(Verdicts):
         self._store_trouble_since: float | None = None
         self._scores_due = time.monotonic()
         self._log = get_logger()
-        self._departures = Departures(ctx.rank, stuck_s=2 * config.heartbeat_interval_s)
+        self._departures = Departures(ctx.rank, stuck_s=config.heartbeat_interval_s)
 
     @property
     def active(self) -> bool:
