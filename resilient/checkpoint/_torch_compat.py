@@ -184,22 +184,15 @@ if "state" not in _init_optim_state.__code__.co_names:  # pragma: no cover
     raise _missing("_init_optim_state's check of optim.state", "it no longer looks at it")
 
 
-# The flattened format (flatten_optimizer_state_dict, what pipeline stages save) is read back
-# by _unflatten_optim_state_dict, which takes each parameter's state names from the live
-# optimizer.state[param]: on a fresh optimizer with one empty placeholder it found no names
-# and loaded an empty state, silently (a hot-recovered pipeline stage restarted Adam from
-# zero). For that format every parameter gets a placeholder holding its state names.
-
 
 @contextlib.contextmanager
-def no_init_step(
-    optimizer: torch.optim.Optimizer,
-    state_names: dict[torch.Tensor, list[str]] | None = None,
-) -> Iterator[None]:
+def no_init_step(optimizer: torch.optim.Optimizer, state_names: Any = None) -> Iterator[None]:
     """Inside, set_optimizer_state_dict loads into a fresh `optimizer` without stepping it
-    first. `state_names`: for a flattened state dict, each parameter's state names in it
-    (empty: not known, and DCP's own step names them). The placeholders are gone after a
-    load (the state is replaced) or taken out here."""
+    first. `state_names` ({param: [name, ...]}): for the flattened format, whose loader
+    (_unflatten_optim_state_dict) takes each parameter's state names from the live state and
+    found none in one empty placeholder: the load was empty, silently (internals.md
+    #g-set-optim-step). {}: names not known, DCP's own step makes them. The placeholders
+    are gone after a load (the state is replaced) or taken out here."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if optimizer.state or not params or state_names == {}:
         yield
