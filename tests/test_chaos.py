@@ -187,6 +187,10 @@ _EXTENDED = {
     # (about 230 s at a load of 14)
     "mesh_pp_faults_cold",
     "mesh_pp_preempt",
+    # the same three faults hot on pp=2 x dp_shard=2, and cold on pp=4 (CI runs mesh_pp_hot,
+    # one stage rank killed hot, and tests/test_pipeline.py's hot replacements)
+    "mesh_pp_faults_hot",
+    "mesh_pp4_faults_cold",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
