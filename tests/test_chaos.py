@@ -191,6 +191,7 @@ _EXTENDED = {
     # one stage rank killed hot, and tests/test_pipeline.py's hot replacements)
     "mesh_pp_faults_hot",
     "mesh_pp4_faults_cold",
+    "mesh_pp4_preempt",
 }
 _MATRIX = [
     pytest.param(p, id=p.stem, marks=[pytest.mark.extended] if p.stem in _EXTENDED else [])
