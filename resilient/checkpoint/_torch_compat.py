@@ -184,7 +184,6 @@ if "state" not in _init_optim_state.__code__.co_names:  # pragma: no cover
     raise _missing("_init_optim_state's check of optim.state", "it no longer looks at it")
 
 
-
 @contextlib.contextmanager
 def no_init_step(optimizer: torch.optim.Optimizer, state_names: Any = None) -> Iterator[None]:
     """Inside, set_optimizer_state_dict loads into a fresh `optimizer` without stepping it
