@@ -157,11 +157,11 @@ def set_servers(servers: ForkServers | None) -> None:
     _SERVERS = servers
 
 
-class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
+class ForkedPopen(subprocess.Popen):
     """subprocess.Popen whose child comes from the fork server when it can be (see the
     module's docstring); every other method is Popen's own."""
 
-    def _execute_child(self, *args: Any) -> None:  # type: ignore[override]
+    def _execute_child(self, *args: Any) -> None:
         a = dict(zip(_EXEC_PARAMS, args, strict=True))
         argv = list(a["args"]) if isinstance(a["args"], (list, tuple)) else None
         parsed = parse_python_argv([os.fspath(x) for x in argv]) if argv else None

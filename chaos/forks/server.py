@@ -67,7 +67,7 @@ def _become(job: dict[str, Any], fds: list[int], base_path: list[str], parent: i
             _open_nursery(job["nursery"], base_path)
         if job["unbuffered"] or job["env"].get("PYTHONUNBUFFERED"):
             for stream in (sys.stdout, sys.stderr):
-                stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
+                stream.reconfigure(write_through=True)  # type: ignore[union-attr]
         # runpy warns that a module run with -m was imported already (torch.distributed.run
         # is, by the supervisor's modules); it runs a fresh copy as __main__ all the same
         warnings.filterwarnings("ignore", "'.*' found in sys.modules after import", RuntimeWarning)

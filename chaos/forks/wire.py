@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 # read when the server imports its modules (or when an interpreter starts): a command whose
@@ -23,7 +24,7 @@ PR_SET_PDEATHSIG = 1
 LAUNCHERS = {"resilient.cli", "torch.distributed.run"}
 
 
-def import_time_env(env: dict[str, str]) -> dict[str, str]:
+def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) or k in IMPORT_TIME_EXACT}
 
 
