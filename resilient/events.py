@@ -46,6 +46,7 @@ __all__ = [
     "RECOVERY_HOT_SEVER",
     "RECOVERY_HOT_SPARE",
     "RECOVERY_HOT_STUCK",
+    "REPLAY_UNHOOKED",
     "RESUME_DIVERGED",
     "RESUME_UNVERIFIED",
     "RESUME_VERIFIED",
@@ -90,6 +91,8 @@ RESUME_VERIFIED = "resume.verified"
 RESUME_DIVERGED = "resume.diverged"
 """A replayed step differed from the earlier attempt: step, differed, likely causes."""
 RESUME_UNVERIFIED = "resume.unverified"
+REPLAY_UNHOOKED = "replay.unhooked"
+"""The tracked model's forward never ran in a step: its inputs go unfingerprinted."""
 """A resume that could not be compared (no earlier fingerprints, another world size)."""
 # checkpoints
 CKPT_SAVE_START = "ckpt.save.start"

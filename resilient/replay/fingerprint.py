@@ -52,6 +52,8 @@ class StepFingerprints:
         self._pending: list[tuple[int, Any, int, Any, Any]] = []  # step, hash, meta, loss, event
         self._weights: dict[tuple[int, torch.device, bool], torch.Tensor] = {}
         self.check: ReplayCheck | None = None
+        self._hooked = False
+        """The tracked model's forward is hooked for the inputs; its silence is said once."""
 
     @property
     def shape(self) -> tuple[int, str]:
@@ -60,6 +62,7 @@ class StepFingerprints:
 
     def attach(self, model: nn.Module) -> Any:
         """The forward pre-hook on the tracked model; returns its handle."""
+        self._hooked = True
         return model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
     def begin(self, step: int) -> None:
@@ -94,6 +97,18 @@ class StepFingerprints:
         """Step `step` completed: queue its fingerprint and log the ready ones."""
         if step != self._step:  # begin() was not called for it: nothing to record
             return
+        if self._hooked and self._armed:  # a whole step, and the tracked forward never ran
+            self._hooked = False
+            self._log.warning(
+                ev.REPLAY_UNHOOKED,
+                step=step,
+                reason="the tracked model's forward did not run in this step, so this "
+                "rank's inputs are not fingerprinted (a resume cannot check them) and a hang "
+                "report cannot name its forward or backward. The loop calls other modules "
+                "(an interleaved pipeline's stage modules, a wrapped model's inner module) "
+                "or skipped the forward. Said once; track the module the loop calls, or "
+                "pass the inputs to rt.micro_batches (docs/porting.md#pipelines)",
+            )
         self._armed = False
         done = None
         if any(isinstance(v, torch.Tensor) and v.is_cuda for v in (self._hash, self._loss)):

@@ -29,7 +29,12 @@ import time
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -71,6 +76,19 @@ def split(model: nn.Sequential, stage: int, stages: int, *, local_names: bool) -
     return model
 
 
+def interleave(model: nn.Sequential, rank: int, pp: int) -> list[tuple[int, nn.Module]]:
+    """Interleaved stages: 2 x pp virtual stages, rank r running r and r + pp. The model keeps
+    its global names (the other ranks' layers become nn.Identity) and is what is tracked;
+    each virtual stage runs an nn.Sequential over its own layers (the same parameters)."""
+    n, v = len(model), 2 * pp
+    mine = {c: range(c * n // v, (c + 1) * n // v) for c in (rank, rank + pp)}
+    owned = {i for r in mine.values() for i in r}
+    for i in range(n):
+        if i not in owned:
+            model[i] = nn.Identity()
+    return [(c, nn.Sequential(*[model[i] for i in r])) for c, r in mine.items()]
+
+
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -89,7 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="per data-parallel rank")
     p.add_argument("--steps", type=int, default=12)
@@ -111,7 +129,11 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     model: nn.Module = build(args.layers)
-    if args.pp > 1:
+    chunks: list[tuple[int, nn.Module]] = []  # interleaved: (virtual stage, its module)
+    if args.pp > 1 and args.schedule == "interleaved":
+        assert isinstance(model, nn.Sequential)
+        chunks = interleave(model, stage, args.pp)
+    elif args.pp > 1:
         shift = 1 if rt.rank == args.split_of_rank else 0  # bad input: another split
         assert isinstance(model, nn.Sequential)
         model = split(model, min(stage + shift, args.pp - 1), args.pp, local_names=args.local_names)
@@ -128,7 +150,13 @@ def main() -> None:
     loss_fn = nn.MSELoss()
     last = stage == args.pp - 1
     sched = None
-    if args.pp > 1:
+    if chunks:  # two virtual stages on each rank, the tracked model holding both
+        stages = [
+            PipelineStage(m, v, 2 * args.pp, torch.device("cpu"), group=mesh.get_group("pp"))
+            for v, m in chunks
+        ]
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    elif args.pp > 1:
         pp_stage = PipelineStage(
             model, stage, args.pp, torch.device("cpu"), group=mesh.get_group("pp")
         )
