@@ -106,8 +106,9 @@ class StepFingerprints:
                 "rank's inputs are not fingerprinted (a resume cannot check them) and a hang "
                 "report cannot name its forward or backward. The loop calls other modules "
                 "(an interleaved pipeline's stage modules, a wrapped model's inner module) "
-                "or skipped the forward. Said once; track the module the loop calls, or "
-                "pass the inputs to rt.micro_batches (docs/porting.md#pipelines)",
+                "or skipped the forward. Said once. Track the module the loop calls; an "
+                "interleaved pipeline cannot, and docs/porting.md#pipelines says what it "
+                "loses",
             )
         self._armed = False
         done = None
