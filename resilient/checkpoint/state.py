@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import io
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -42,6 +42,7 @@ __all__ = [
     "TrainState",
     "Unpacked",
     "capture_rng",
+    "flat_state_param",
     "pack",
     "restore_rng",
     "state_digest",
@@ -208,12 +209,19 @@ class TrainState:
                     for g, own in zip(osd["param_groups"], self._own, strict=False):
                         g["params"] = [p for p in g["params"] if p in set(own)]
                 fqns = _fqn_by_param(self.model, self.optimizer)
-                names = _flat_state_names(osd, fqns) if flat_optim else None
+                flat = _flat_state(osd, set(fqns.values())) if flat_optim else None
+                names = None
+                if flat is not None:  # each parameter's state names, for the placeholders
+                    names = {
+                        p: sorted({k.split(".")[0] for k in flat[f]})
+                        for p, f in fqns.items()
+                        if f in flat
+                    }
                 with no_init_step(self.optimizer, names):  # no zero-gradient step: see there
                     set_optimizer_state_dict(
                         self.model, self.optimizer, osd, options=_FLAT if flat_optim else None
                     )
-                _check_optimizer_loaded(self.optimizer, osd, fqns, flat=flat_optim)
+                _check_optimizer_loaded(self.optimizer, osd, fqns, flat)
         common = _unpack(sd["common"])
         for k, obj in self.common.items():
             if k in common:
@@ -245,17 +253,26 @@ def _fqn_by_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[to
     return out
 
 
-def _flat_state_names(
-    osd: dict[str, Any], fqns: dict[torch.Tensor, str]
-) -> dict[torch.Tensor, list[str]]:
-    """Each parameter's state names in a flattened optimizer state dict ("state.<fqn>.<name>",
-    a nested value's name followed by its own keys)."""
-    out: dict[torch.Tensor, list[str]] = {}
-    for p, fqn in fqns.items():
-        prefix = f"state.{fqn}."
-        names = {k[len(prefix) :].split(".")[0] for k in osd if k.startswith(prefix)}
-        if names:
-            out[p] = sorted(names)
+def flat_state_param(key: str, fqns: Collection[str]) -> str | None:
+    """The parameter a flattened optimizer key "state.<fqn>.<name>" (a nested value's name
+    followed by its own keys) belongs to: the longest of `fqns` it names, None if none.
+    Tries the key's dotted prefixes, so a whole state dict is read in one pass."""
+    parts = key.split(".")[1:]
+    for i in range(len(parts) - 1, 0, -1):
+        fqn = ".".join(parts[:i])
+        if fqn in fqns:
+            return fqn
+    return None
+
+
+def _flat_state(osd: dict[str, Any], fqns: Collection[str]) -> dict[str, list[str]]:
+    """A flattened optimizer state dict's state keys by parameter: {fqn: ["<name>", ...]}
+    (the key less "state.<fqn>."), in one pass."""
+    out: dict[str, list[str]] = {}
+    for k in osd:
+        fqn = flat_state_param(k, fqns) if k.startswith("state.") else None
+        if fqn is not None:
+            out.setdefault(fqn, []).append(k[len(f"state.{fqn}.") :])
     return out
 
 
@@ -269,15 +286,14 @@ def _check_optimizer_loaded(
     optimizer: torch.optim.Optimizer,
     osd: dict[str, Any],
     fqns: dict[torch.Tensor, str],
-    *,
-    flat: bool,
+    flat: dict[str, list[str]] | None,
 ) -> None:
     """RuntimeError when a parameter's optimizer state in `osd` did not arrive in the
-    optimizer: the run would go on from other moments than the saved run, not bit for bit."""
+    optimizer: the run would go on from other moments than the saved run, not bit for bit.
+    `flat`: the flattened format's keys by parameter (`_flat_state`), None for the nested."""
     for p, fqn in fqns.items():
-        if flat:
-            prefix = f"state.{fqn}."
-            want = sum(1 for k in osd if k.startswith(prefix))
+        if flat is not None:
+            want = len(flat.get(fqn, ()))
         else:
             want = _leaves(osd["state"][fqn]) if fqn in osd.get("state", {}) else 0
         got = _leaves(optimizer.state[p]) if p in optimizer.state else 0

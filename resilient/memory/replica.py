@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from resilient import faultpoints
+from resilient.checkpoint.state import flat_state_param
 from resilient.groups._torch_compat import lazy_gloo_connections
 from resilient.groups.groups import DistContext
 from resilient.log import get_logger
@@ -123,18 +124,13 @@ def rehydrate(sd: dict[str, Any], model: nn.Module | None) -> dict[str, Any]:
             optim["state"] = {k: each(k, v) for k, v in optim.get("state", {}).items()}
         else:  # flattened per parameter, "state.<fqn>.<name>" (what pipeline stages save)
             optim = {
-                k: each(_flat_fqn(k, live), v) if k.startswith("state.") else v
+                k: each(flat_state_param(k, live) or k.removeprefix("state."), v)
+                if k.startswith("state.")
+                else v
                 for k, v in optim.items()
             }
         out["optim"] = optim
     return out
-
-
-def _flat_fqn(key: str, names: Mapping[str, Any]) -> str:
-    """The parameter a flattened optimizer key "state.<fqn>.<name>" belongs to: the longest
-    of `names` it starts with (the key less its prefix when none does)."""
-    rest = key.removeprefix("state.")
-    return max((n for n in names if rest.startswith(f"{n}.")), key=len, default=rest)
 
 
 # ---------------------------------------------------------------- state on the wire
