@@ -281,7 +281,8 @@ def test_a_lost_stage_rank_is_replaced_hot_bit_for_bit(
     DDP replicas of each stage (pp2xdp2) from its replicate peer's own snapshot (`peer`),
     and no rank keeps a second copy of a stage."""
     common = (*layout, "--steps=12", "--save-every=4")
-    nproc = 4 if layout != ("--pp=2", "--dp=1") else 2
+    pp, dp = (int(flag.split("=")[1]) for flag in layout)
+    nproc = pp * dp
     gold_dir = _gold(tmp_path_factory, launcher, *common, nproc=nproc)
     out = tmp_path / "hot"
     fault = f"kill@rank={killed},step=6,phase=backward"
@@ -300,7 +301,6 @@ def test_a_lost_stage_rank_is_replaced_hot_bit_for_bit(
     else:
         assert new["from_rank"] == peer and memory == {(2, "per-rank part")}, (new, memory)
     # every rank held its stage through the recovery: stage = rank's pp coordinate
-    pp = int(layout[0].removeprefix("--pp="))
     assert {(r["rank"], r["stage"]) for r in records(out / "rec")} == {
         (r, r % pp) for r in range(nproc)
     }
