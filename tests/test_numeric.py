@@ -101,6 +101,42 @@ def test_one_process_catches_a_nan_gradient_before_the_optimizer_changes_anythin
         watch.observe_loss(torch.ones(3))
 
 
+def test_the_screen_finds_every_kind_of_non_finite_and_changes_no_bit() -> None:
+    """One call over every gradient (the op GradScaler uses, numeric/_torch_compat.py); a mix
+    of dtypes, and a layout that op refuses (sparse), are still screened, and no gradient
+    bit changes (subnormals and -0.0 included)."""
+    from resilient.numeric.detect import _screen
+
+    def fresh() -> list[torch.Tensor]:
+        return [
+            torch.tensor([1e-45, -0.0, 3.0]),
+            torch.randn(64),
+            torch.randn(8, 8).bfloat16(),
+            torch.randn(5, dtype=torch.float64),
+        ]
+
+    grads = fresh()
+    bits = [g.clone() for g in grads]
+    assert float(_screen(grads)) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(grads, bits, strict=True))
+    assert torch.equal(grads[0].view(torch.int32), bits[0].view(torch.int32))  # -0.0, 1e-45
+    for index, where, bad in [(1, 7, math.nan), (2, 3, -math.inf), (3, 0, math.inf)]:
+        grads = fresh()
+        grads[index].view(-1)[where] = bad
+        got = float(_screen(grads))
+        assert got != 0.0, (index, bad)  # positive, or NaN
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, math.nan], (4,), check_invariants=True)
+    assert float(_screen([torch.randn(3), sparse])) != 0.0
+    assert (
+        float(
+            _screen(
+                [torch.randn(3), torch.sparse_coo_tensor([[0]], [1.0], (4,), check_invariants=True)]
+            )
+        )
+        == 0.0
+    )
+
+
 # ------------------------------------------------------------------ the agreement's messages
 
 
@@ -109,23 +145,31 @@ def test_one_process_catches_a_nan_gradient_before_the_optimizer_changes_anythin
 def test_ddp_agrees_inside_the_gradient_all_reduce_and_a_spike_never_reaches_the_weights(
     tmp_path: Path, launcher: Launcher
 ) -> None:
-    """2 ranks (tests/workers/numeric_agree.py): with the loss observed before its backward,
+    """3 ranks (tests/workers/numeric_agree.py): with the loss observed before its backward,
     a DDP step's checks send no message of their own; observed after it, or under FSDP2,
-    one all-reduce of one number a step. Rank 0's loss spikes at step 6 in each: both ranks
-    agree on it, name rank 0 alone, and the step changes no weight."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+    one all-reduce of one number a step. Rank 0's loss spikes at step 6 in each: every rank
+    agrees on it, names rank 0 alone, and the step changes no weight. Rank 1's NaN gradient
+    under a finite loss at step 8 is found by every rank and changes no weight either. The
+    screen changes no gradient bit: a twin without a watch ends every step with the same
+    weights."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            str(WORKERS / "numeric_agree.py"), f"--out={tmp_path}"]  # fmt: skip
     rc, stdout, stderr = launcher.run(cmd, timeout=140)
     assert rc == 0, stdout[-2000:] + stderr[-6000:]
     expected = {"ddp_observed_first": 0, "ddp_observed_late": 1, "fsdp2": 1}
-    for rank in (0, 1):
+    every = ["gradient non-finite"]
+    for rank in (0, 1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for variant, messages in expected.items():
             v = got[variant]
             assert v["quiet_collectives"] == [messages] * 7, (rank, variant, v)
-            assert v["faults"] == [{"step": 6, "ranks": [0], "seen": {"0": ["loss spike"]}}]
-            assert v["spiked_step_changed"] is False, (rank, variant)
+            assert v["faults"] == [
+                {"step": 6, "ranks": [0], "seen": {"0": ["loss spike"]}},
+                {"step": 8, "ranks": [0, 1, 2], "seen": {"0": every, "1": every, "2": every}},
+            ], (rank, variant)
+            assert v["faulty_steps_changed"] == [False, False], (rank, variant)
+        assert got["ddp_observed_first"]["twin_equal"] == [True] * 9, rank
 
 
 # ------------------------------------------------------------------ real runs

@@ -25,7 +25,12 @@ from resilient._torch_check import (
 
 
 @pytest.mark.parametrize(
-    "module", ["resilient.supervisor._torch_compat", "resilient.groups._torch_compat"]
+    "module",
+    [
+        "resilient.supervisor._torch_compat",
+        "resilient.groups._torch_compat",
+        "resilient.numeric._torch_compat",
+    ],
 )
 def test_the_installed_torch_has_what_the_compat_modules_need(module: str) -> None:
     importlib.import_module(module)
@@ -84,7 +89,8 @@ def test_pyproject_declares_the_tested_range() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["resilient.checkpoint", "resilient.groups", "resilient.supervisor"]
+    "module",
+    ["resilient.checkpoint", "resilient.groups", "resilient.numeric", "resilient.supervisor"],
 )
 def test_every_compat_fence_records_the_releases_it_was_checked_on(module: str) -> None:
     compat = importlib.import_module(f"{module}._torch_compat")

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.groups.groups import DistContext
+from resilient.numeric._torch_compat import flag_nonfinite
 from resilient.numeric.config import NumericConfig
 
 __all__ = ["Fault", "NumericWatch"]
@@ -178,7 +179,9 @@ class NumericWatch:
                     f"rt.observe(loss=...) takes a scalar loss, got a tensor of shape "
                     f"{tuple(loss.shape)}: reduce it first (loss.mean())"
                 )
-            value = loss.detach().reshape(()).float()
+            value = loss.detach()
+            if value.dim() or value.dtype != torch.float32:
+                value = value.reshape(()).float()
         elif isinstance(loss, int | float):
             value = torch.tensor(float(loss))
         else:
@@ -258,19 +261,28 @@ class NumericWatch:
 
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
         self._checked = True
-        # the loss, the gradient sum and the carried spike come to the host together: one
-        # device sync a step
-        parts = [self._loss if self._loss is not None else torch.tensor(math.nan)]
-        parts.append(_screen(grads) if grads else torch.tensor(math.nan))
-        spiked = self._spiked
-        parts.append(spiked if isinstance(spiked, torch.Tensor) else torch.tensor(spiked))
-        loss_t, norm_t, carried_t = _host(parts)
-        carried = bool(carried_t)
-        flagged = bool(grads) and not math.isfinite(norm_t)
+        loss, spiked = self._loss, self._spiked
+        screen = _screen(grads) if grads else None
+        if (
+            (loss is None or loss.device.type == "cpu")
+            and (screen is None or screen.device.type == "cpu")
+            and not isinstance(spiked, torch.Tensor)
+        ):  # all on the host (the usual CPU step): no tensors to build and move
+            loss_t = math.nan if loss is None else float(loss)
+            screened = 0.0 if screen is None else float(screen)
+            carried = spiked
+        else:  # the loss, the screen and the carried spike come to the host together: one
+            # device sync a step
+            parts = [loss if loss is not None else torch.tensor(math.nan)]
+            parts.append(screen if screen is not None else torch.tensor(0.0))
+            parts.append(spiked if isinstance(spiked, torch.Tensor) else torch.tensor(spiked))
+            loss_t, screened, carried_f = _host(parts)
+            carried = bool(carried_f)
+        flagged, norm_t = bool(grads) and screened != 0.0, math.nan  # NaN != 0 too
         if flagged:  # the screen flags: the exact look, and the norm for the event
             flagged = _any_nonfinite(grads or [])
             norm_t = float(_norm(grads or [])) if flagged else math.nan
-        has_loss, has_norm = self._loss is not None, flagged
+        has_loss, has_norm = loss is not None, flagged
         nonfinite, thr = self.config.nonfinite, self._threshold()
         loss_bad = nonfinite and has_loss and not math.isfinite(loss_t)
         grad_bad = nonfinite and has_norm and not math.isfinite(norm_t)
@@ -345,13 +357,33 @@ def _local(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _screen(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of every gradient element: NaN or inf when any element is (and, rarely, when
-    huge finite ones overflow: `_any_nonfinite` then decides). One pass, cheaper than a norm
-    (50 against 75 us over the recipe model's 0.4 M gradients, measured on one CPU thread)."""
-    sums: dict[Any, list[torch.Tensor]] = {}
-    for g in _local(grads):
-        sums.setdefault(g.device, []).append(g.sum(dtype=torch.float32))
-    return torch.stack([torch.stack(group).sum().cpu() for group in sums.values()]).sum()
+    """A number that is 0 when every gradient element is finite, and positive or NaN when
+    one is not. One call for all of them where the op takes them together (numeric/
+    _torch_compat.py's `flag_nonfinite`, the op GradScaler uses: 0.1 ms for the recipe
+    model's 28 gradients on one CPU thread, where one `sum` per tensor took 0.24 ms: the cost
+    is per tensor, not per byte); else one call per device and dtype; and a tensor the op
+    refuses (sparse, overlapping) is summed on its own (a NaN or inf makes its sum
+    non-finite, and so, rarely, do huge finite values: `_any_nonfinite` then decides)."""
+    local = _local(grads)
+    flag = torch.zeros(1, device=local[0].device)
+    try:
+        flag_nonfinite(local, flag)
+        return flag[0]  # on its device: `_host` brings it over with the loss
+    except RuntimeError:  # mixed devices or dtypes the op will not take together
+        pass
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in local:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    flags = []
+    for (device, _dtype), group in groups.items():
+        flag = torch.zeros(1, device=device)
+        try:
+            flag_nonfinite(group, flag)
+        except RuntimeError:  # a layout the op does not take
+            sums = torch.stack([g.sum(dtype=torch.float32) for g in group])
+            flag = (~torch.isfinite(sums.sum())).float().reshape(1)
+        flags.append(flag.cpu())
+    return torch.cat(flags).sum()
 
 
 def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
