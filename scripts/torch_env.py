@@ -24,6 +24,8 @@ with status 2: no network or no such release (the package index's own words are 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -32,6 +34,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,6 +74,8 @@ each torch behaviour resilient relies on, once: DCP save, load and verification
 context), a NaN and a spike rolled back in place, the supervisor's restarts (torch elastic's
 agent and torchrun's parser), gloo's peer-loss errors, lazy gloo groups, and an export read
 by transformers."""
+PARALLEL = ["-n", os.environ.get("PYTEST_WORKERS", "2"), "--dist", "loadfile"]
+"""As `make test` runs the suite: two pytest workers, each test file on one of them."""
 LAYOUT = 1  # bump when what a side environment holds changes: older ones are rebuilt
 
 
@@ -283,6 +288,43 @@ def ready(target: Path) -> dict[str, object] | None:
     return info if info.get("layout") == LAYOUT else None
 
 
+@contextlib.contextmanager
+def _building(target: Path) -> Iterator[None]:
+    """Hold the environment's lock: one build at a time per environment on this machine
+    (a prefetch in the background and the subset that waits for it, or two checkouts)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def prefetch(version: str, target: Path) -> int:
+    """Start building (or checking) the environment in a detached process, so that the
+    download overlaps other work; a later call waits for it through the lock. The child takes
+    the lock before this returns, so that call cannot slip in first."""
+    if ready(target) is not None:
+        print(f"torch-env: {target} is ready (torch {version})", flush=True)
+        return 0
+    log = Path(f"{target}.log")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        child = subprocess.Popen(
+            [sys.executable, __file__, version],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and child.poll() is None:
+        if "building" in log.read_text() or "reusing" in log.read_text():
+            break  # it holds the lock (it prints under it)
+        time.sleep(0.1)
+    print(f"torch-env: building torch {version} in the background (pid {child.pid}, {log})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -291,6 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--run", nargs=argparse.REMAINDER, help="run its python with these args")
     what.add_argument("--subset", action="store_true", help="run the compatibility subset")
+    what.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="build (or reuse) it in a background process and return at once; its output goes "
+        "to <environment>.log beside it",
+    )
+    parser.add_argument(
+        "--untested-if-unbuildable",
+        action="store_true",
+        help="(make test) where the environment cannot be built (no network, no disk, no such "
+        "release), say loudly that this release went untested and exit 0; test failures "
+        "still fail",
+    )
     args = parser.parse_args(argv)
     if sys.prefix == sys.base_prefix:
         print("torch-env: run me with the checkout's .venv/bin/python", file=sys.stderr)
@@ -299,17 +354,28 @@ def main(argv: list[str] | None = None) -> int:
         args.version = declared(args.version)
     base = sysconfig.get_path("purelib")
     target = env_dir(args.version)
-    info = ready(target)
-    if info is None:
-        print(f"torch-env: building {target} (downloads torch {args.version})", flush=True)
-        try:
-            info = build(args.version, target, base)
-        except BuildError as e:
-            print(f"torch-env: FAILED to build the torch {args.version} environment: {e}")
-            return 2
-        print(f"torch-env: built in {info['build_s']} s, {info['size_bytes'] / 1e9:.2f} GB")
-    else:
-        print(f"torch-env: reusing {target} (torch {info['torch']})", flush=True)
+    if args.prefetch:
+        return prefetch(args.version, target)
+    with _building(target):  # a prefetch still at work: wait for it, then reuse its result
+        info = ready(target)
+        if info is None:
+            print(f"torch-env: building {target} (downloads torch {args.version})", flush=True)
+            try:
+                info = build(args.version, target, base)
+            except (BuildError, OSError) as e:
+                print(f"torch-env: FAILED to build the torch {args.version} environment: {e}")
+                if args.untested_if_unbuildable:
+                    print(
+                        f"torch-env: *** torch {args.version} was NOT TESTED: its environment "
+                        f"could not be built here (above). Run `make test-torch "
+                        f"TORCH={args.version}` where it can be. ***",
+                        flush=True,
+                    )
+                    return 0
+                return 2
+            print(f"torch-env: built in {info['build_s']} s, {info['size_bytes'] / 1e9:.2f} GB")
+        else:
+            print(f"torch-env: reusing {target} (torch {info['torch']})", flush=True)
     python = str(target / "bin" / "python")
     env = {**os.environ, BASE_VAR: base}
     if args.subset:
@@ -329,7 +395,10 @@ def subset(python: str, env: dict[str, str], torch_version: str) -> int:
             ("demo", [python, "-m", "chaos.demo", *DEMO_ARGS, "--out", str(Path(out, "demo"))]),
             # its own --basetemp: pytest sessions of other checkouts prune the shared
             # /tmp/pytest-of-<user>/pytest-<n> directories, this one's included
-            ("tests", [python, "-m", "pytest", "-q", "-m", "not extended", *basetemp, *SUBSET]),
+            (
+                "tests",
+                [python, "-m", "pytest", "-q", "-m", "not extended", *PARALLEL, *basetemp, *SUBSET],
+            ),
         ]
         for name, cmd in steps:
             print(f"torch-env: torch {torch_version}: {name}: {' '.join(cmd[1:])}", flush=True)

@@ -103,10 +103,9 @@ def _hot_formed(out: Path, killed_at: int) -> dict[int, dict[str, Any]]:
     return formed
 
 
-# make soak: a hang in a survivor's garbage collection that 4 of 15 runs met before its fix
+# a hang in a survivor's garbage collection that 4 of 15 runs met before its fix
 # (docs/hot-recovery.md): 12 of 12 since, and 16 of 16 forked (about 14 s each, quiet
-# machine, session 4); kept out of CI until a full-suite run has carried it for a while
-@pytest.mark.extended
+# machine, session 4); in CI since session 5
 def test_an_hsdp_rank_killed_is_recovered_hot_from_its_replicate_peer(
     golden: dict[tuple[int, int, int], str], tmp_path: Path
 ) -> None:
@@ -122,10 +121,9 @@ def test_an_hsdp_rank_killed_is_recovered_hot_from_its_replicate_peer(
     assert all(e["replica_bytes"] < e["bytes_per_copy"] for e in memory), memory
 
 
-# make soak: 1 of 8 runs after the stall's fix went cold, two survivors that had both left
-# waiting on each other in their save threads (cut loose since, docs/hot-recovery.md);
-# 16 of 16 forked since (session 4)
-@pytest.mark.extended
+# 1 of 8 runs after the stall's fix went cold, two survivors that had both left waiting on
+# each other in their save threads (cut loose since, docs/hot-recovery.md); 16 of 16 forked
+# since (session 4); in CI since session 5
 def test_a_dp_x_tp_rank_killed_is_recovered_hot_from_its_buddys_replica(
     golden: dict[tuple[int, int, int], str], tmp_path: Path
 ) -> None:
