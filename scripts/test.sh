@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# make test (and CI, .ci/run): lint, types, the suite on .venv's torch (the range's floor),
+# then a quick compatibility check on the range's newest release.
+#
+# Two things run beside the suite, which is mostly waiting (rendezvous rounds, heartbeat
+# timeouts) and leaves a core idle about half the time: the newest release's side environment
+# is built in the background (scripts/torch_env.py --prefetch), and mypy (three minutes on a
+# fresh clone) checks the types. Their results are read after the suite.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+SOURCES=(resilient chaos recipes scripts tests)
+
+"$PY" scripts/torch_env.py newest --prefetch
+"$PY" -m ruff check "${SOURCES[@]}" || exit 1
+"$PY" -m ruff format --check "${SOURCES[@]}" || exit 1
+.venv/bin/lint-imports || exit 1
+
+types_log=$(mktemp)
+trap 'rm -f "$types_log"' EXIT
+"$PY" -m mypy >"$types_log" 2>&1 &
+types=$!
+echo "mypy: checking the types beside the suite (pid $types)"
+"$PY" -m pytest -q -m "not extended"
+suite=$?
+wait "$types"
+types_rc=$?
+echo "$PY -m mypy"
+cat "$types_log"
+if [ "$suite" -ne 0 ] || [ "$types_rc" -ne 0 ]; then
+  echo "make test: the suite exited $suite, mypy $types_rc"
+  exit 1
+fi
+# the newest release of the tested range: a kill and a bit-exact resume, and every private
+# name's check (the whole compatibility subset: make test-torch TORCH=newest)
+exec "$PY" scripts/torch_env.py newest --subset --quick --untested-if-unbuildable
