@@ -1,14 +1,14 @@
 """Seeing a numerical fault, on every rank at once, before it changes a weight.
 
 `NumericWatch` hooks the tracked optimizer's `step()`. Before the optimizer reads a gradient,
-each rank sums its own gradients (its shards under FSDP2; under DDP they are already
-all-reduced, so a NaN on one rank is a NaN on all): a NaN or inf anywhere makes the sum
-non-finite, and only then does an exact look (and a norm for the event) follow. It checks
+each rank screens its own gradients in one call (its shards under FSDP2; under DDP they are
+already all-reduced, so a NaN on one rank is a NaN on all): a NaN or inf anywhere raises the
+screen's flag, and only then does an exact look (and a norm for the event) follow. It checks
 the loss the script observed and, with spike detection on, compares that loss with its
 running mean.
 
 Agreeing costs no message of its own in the usual DDP step. The reduced gradients are the
-same on every rank, so their sum gives every rank the same verdict on them. A loss observed
+same on every rank, so their screen gives every rank the same verdict on them. A loss observed
 before its backward carries its own verdict into them: a hook on the loss tensor makes the
 gradient flowing back from it NaN when the loss is non-finite or spiked, so DDP's gradient
 all-reduce puts the NaN on every rank (the way the OOM guard's failing rank joins it,
