@@ -75,9 +75,10 @@ context), a NaN and a spike rolled back in place, the supervisor's restarts (tor
 agent and torchrun's parser), gloo's peer-loss errors, lazy gloo groups, and an export read
 by transformers."""
 QUICK = ["tests/test_torch_compat.py"]
-"""`--subset --quick`: the shortened demo (a kill, torch elastic's restart, a DCP resume bit
-for bit), then every compat module's import-time checks of the private names, lazy gloo
-groups and the range itself (about 60 s, against about 110 s for the whole subset)."""
+"""`--subset --quick`, what `make test` runs on the newest release: the shortened demo (a
+kill, torch elastic's restart, a DCP resume bit for bit), then every compat module's
+import-time checks of the private names, lazy gloo groups and the range itself (about 60 s,
+against 107-115 s for the whole subset)."""
 LAYOUT = 1  # bump when what a side environment holds changes: older ones are rebuilt
 
 
