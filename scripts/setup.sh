@@ -16,18 +16,18 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "setup: no CUDA found, installing the CPU build of torch (constraints-cpu.txt)"
 fi
 # grep drops this machine's pip-config noise about absent local mirrors; pip's status is kept
-install() {
+pip_install() {
   PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q "$@" -e ".[dev]" 2>&1 \
     | { grep -v -e "is ignored: it is neither" || true; }
   return "${PIPESTATUS[0]}"
 }
-if ! install "${constraints[@]}"; then
+if ! pip_install "${constraints[@]}"; then
   [ ${#constraints[@]} -gt 0 ] || exit 1
   # no CPU build on this machine's indexes: PyPI's build of the same release runs on CPU too
   cpu=$(grep -v '^#' constraints-cpu.txt)
   echo "setup: no CPU build ($cpu) found; installing PyPI's ${cpu%+cpu} with its CUDA" \
     "libraries (about 5 GB). For the CPU build: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup"
-  install -c <(echo "${cpu%+cpu}")
+  pip_install -c <(echo "${cpu%+cpu}")
 fi
 rm -f "$VENV"/.installed-*
 touch "$stamp"

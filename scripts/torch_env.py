@@ -321,7 +321,8 @@ def prefetch(version: str, target: Path) -> int:
         )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and child.poll() is None:
-        if "building" in log.read_text() or "reusing" in log.read_text():
+        said = log.read_text()
+        if "building" in said or "reusing" in said:
             break  # it holds the lock (it prints under it)
         time.sleep(0.1)
     print(f"torch-env: building torch {version} in the background (pid {child.pid}, {log})")
