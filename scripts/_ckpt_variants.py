@@ -119,8 +119,9 @@ class Bench:
         if self.rank == 0:
             self.mgr_solo = mgr(self.work / "solo", self.solo)
             self.mgr_solo_from2 = mgr(self.ours_root, self.solo)
-        # The runtime's fence (Runtime._install_fences): an optimizer step pre-hook calling
-        # wait_staged(). Timed here, because the time it blocks is time the loop is blocked.
+        # The manager's own fence (checkpoint/pipeline.py): an optimizer step pre-hook calling
+        # wait_staged(). Timed here, registered before the manager's (which then finds the
+        # copy done): the time it blocks is time the loop is blocked.
         self.fence_s = 0.0
 
         # --live: a prototype measured beside the product (v_async_live), not in it

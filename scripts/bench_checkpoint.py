@@ -12,8 +12,8 @@ order, with every output deleted before the next variant:
   made durable like the others);
 - dcp: plain dcp.save with DCP's default FileSystemWriter;
 - sync: our CheckpointManager.save(blocking=True), manifest and commit included;
-- async: our CheckpointManager.save() while real training steps run, fenced exactly as the
-  runtime fences them (an optimizer step pre-hook calling wait_staged());
+- async: our CheckpointManager.save() while real training steps run, fenced as the
+  manager fences them (an optimizer step pre-hook calling wait_staged(), timed here);
 - write2: the disk's own rate, the baseline of every save ratio: each rank writes its half
   of the bytes (random, from memory) in 8 MiB write() calls and fsyncs, as DCP's writer
   does, with nothing else; run at the start and at the end of every repetition;

@@ -13,9 +13,9 @@ order, every output deleted before the next variant:
   hand-written loop does);
 - sync: CheckpointManager.save(blocking=True): staged, written, verified, committed;
 - async: CheckpointManager.save() then training steps until the save committed, fenced as
-  the runtime fences them (an optimizer pre-step hook calling wait_staged()). `blocked` is
-  the time the loop spent inside save() and the fence: the stall a user sees. The staging
-  copies device tensors into pinned host memory with non-blocking copies.
+  the manager fences them (an optimizer pre-step hook calling wait_staged(), timed here).
+  `blocked` is the time the loop spent inside save() and the fence: the stall a user sees.
+  The staging copies device tensors into pinned host memory with non-blocking copies.
 
 Printed as one JSON line: medians over repetitions, and the ratios async_blocked/sync and
 async_blocked/step. Results go to docs/benchmarks.md with the device and torch they ran on.

@@ -449,7 +449,8 @@ def test_a_format_1_manifest_with_crc32_still_loads(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
     """pytorch#144657: after an async save returns, mutating live tensors must not leak into
-    the checkpoint. The runtime's fence is an optimizer step pre-hook calling wait_staged()."""
+    the checkpoint. The manager fences its own saves: optimizer.step() waits for the copy,
+    with no hook of the caller's, and close() takes the fence away."""
     torch.manual_seed(0)
     # 32 MiB of parameters plus 64 MiB of AdamW moments: staging takes a noticeable time.
     model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
@@ -459,7 +460,6 @@ def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
     want = state_digest(model, opt)
 
     mgr = manager(tmp_path / "ckpt", async_save=True)
-    hook = opt.register_step_pre_hook(lambda *_: mgr.wait_staged())
     try:
         mgr.save(TrainState(model=model, optimizer=opt, rng=False), step=1)
         opt.step()  # the grads are still there: params, moments and step all change in place
@@ -468,9 +468,10 @@ def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
                 p.add_(1.0)
         assert state_digest(model, opt) != want
         assert mgr.wait() == 1
+        assert len(opt._optimizer_step_pre_hooks) == 1
     finally:
-        hook.remove()
         mgr.close()
+    assert not opt._optimizer_step_pre_hooks, "close() leaves no hook behind"
 
     torch.manual_seed(1)
     model2 = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))

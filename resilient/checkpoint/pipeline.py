@@ -5,10 +5,18 @@ An async save copies the tensors through the stager (pinned memory and non-block
 where CUDA is), then writes and commits on the save thread; a blocking save's retention runs
 on that thread too. Every later call (`wait`, the next save, a load, `close`) first waits
 here, so at most one save and its retention are ever in flight.
+
+While the stager copies, the live tensors must not change (pytorch#144657: DCP's own async
+save leaves that to its caller, and an update that lands mid-copy tears the checkpoint). So
+the first async save of a model and optimizer fences them (`fence`): hooks that make
+`optimizer.step()` (parameters, optimizer state) and the model's forward (buffers: BatchNorm
+statistics, DDP's buffer broadcast) wait for the copy first. A caller who changes tensors by
+other means (an in-place edit of a parameter) calls `wait_staged()` before.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -29,6 +37,8 @@ class SavePipeline:
         self._staged: Future[Any] | None = None
         self._pending: Future[int | None] | None = None
         self._retention: Future[None] | None = None
+        self._fenced: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
+        """id of each fenced model or optimizer -> (a reference to it, its hooks' handles)."""
 
     def start_threads(self) -> None:
         """Start the save's and the stager's threads now: started by the first save, each
@@ -47,6 +57,30 @@ class SavePipeline:
             staged = done
         self._staged = staged
         return staged
+
+    def fence(self, model: Any, optimizer: Any) -> None:
+        """Make `optimizer.step()` and `model`'s forward wait for the staging in flight (the
+        module's docstring), once per object; the hooks go at `close()`. Each costs a call a
+        step that returns at once when nothing is being staged."""
+        me = weakref.ref(self)  # the hooks must not keep a closed pipeline alive
+
+        def wait(*_: Any) -> None:
+            pipeline = me()
+            if pipeline is not None:
+                pipeline.wait_staged()
+
+        for obj in (model, optimizer):
+            if obj is None:
+                continue
+            known = self._fenced.get(id(obj))
+            if known is not None and known[0]() is obj:
+                continue
+            if obj is optimizer:
+                handles = [optimizer.register_step_pre_hook(wait)]
+            else:
+                has_buffers = any(True for _ in model.buffers())
+                handles = [model.register_forward_pre_hook(wait)] if has_buffers else []
+            self._fenced[id(obj)] = (weakref.ref(obj), handles)
 
     def submit(self, job: Callable[..., int | None], *args: Any) -> None:
         """Run the save `job(*args)` (its committed step, or None) on the save thread."""
@@ -92,6 +126,10 @@ class SavePipeline:
         try:
             self.wait()
         finally:
+            for _, handles in self._fenced.values():
+                for h in handles:
+                    h.remove()
+            self._fenced.clear()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None

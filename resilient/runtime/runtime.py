@@ -235,8 +235,8 @@ class Runtime(Loops):
             wiring.pin_ddp_buckets(model, self.log)
         for h in self._hooks:
             h.remove()
-        self._hooks = wiring.fences(model, optimizer, self.checkpoints.wait_staged)
-        self._hooks += self.watchdog.instrument(model, optimizer, stage)  # phases, hang reports
+        # (an async save's copy fences the model and the optimizer itself: checkpoint/pipeline.py)
+        self._hooks = self.watchdog.instrument(model, optimizer, stage)  # phases, hang reports
         self._hooks += wiring.stage_hooks(None if stage is None else model, self)
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer, stage is not None)
         if model is not None and not stage:  # each step's first forward inputs: its

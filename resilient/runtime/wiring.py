@@ -1,5 +1,5 @@
-"""How the Runtime builds its parts: the event log, snapshots, the save fences, DDP's
-buckets, and a bounded wait for a call that may never return.
+"""How the Runtime builds its parts: the event log, snapshots, DDP's buckets, and a bounded
+wait for a call that may never return.
 
 The Runtime (runtime/runtime.py) is the composition root: it calls these while it wires its
 collaborators together, so that its own class holds only what it decides.
@@ -32,7 +32,7 @@ from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
 from resilient.runtime.stages import even_micro_batches
 
-__all__ = ["fences", "layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
+__all__ = ["layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
 
 
 def open_log(config: RuntimeConfig) -> tuple[str, Path | None]:
@@ -87,18 +87,6 @@ def layout(
             dp_rank=found.dp_rank(rank),
         )
     return found
-
-
-def fences(model: nn.Module | None, optimizer: Any, fence: Callable[[], Any]) -> list[Any]:
-    """Hooks that wait for an async save's staging before anything changes the state it
-    copies (pytorch#144657): parameters and optimizer state change in step(), buffers
-    (BatchNorm statistics, DDP's buffer broadcast) in forward()."""
-    hooks = []
-    if optimizer is not None:
-        hooks.append(optimizer.register_step_pre_hook(lambda *_: fence()))
-    if model is not None and any(True for _ in model.buffers()):
-        hooks.append(model.register_forward_pre_hook(lambda *_: fence()))
-    return hooks
 
 
 def pin_ddp_buckets(model: nn.Module, logger: Any) -> None:
