@@ -1,4 +1,8 @@
-"""A tracked loader's workers outlive a preemption signal sent to the whole process group."""
+"""A tracked loader's workers outlive a preemption signal sent to the whole process group.
+
+The loaders fork their workers from the pytest process, which under pytest-xdist runs
+threads of its own: `solo` runs them in the single-worker part of `make test`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resilient.preempt.loader_workers import shield_workers
+
+pytestmark = pytest.mark.solo
 
 
 def _seen(worker_id: int) -> None:
