@@ -101,11 +101,10 @@ class CheckpointManager:
     def save(self, state: TrainState, step: int, *, blocking: bool | None = None) -> None:
         """Checkpoint `state` as taken after `step` steps.
 
-        Async (the default of the config) returns once tensors are being staged. Until the
-        copy is done, `optimizer.step()` and the model's forward wait for it (hooks the first
-        async save of a model and optimizer puts on them, removed by `close()`); a caller
-        who changes tensors by other means calls `wait_staged()` first. A previous save in
-        flight is waited for first. Raises CheckpointError if a previous async save failed.
+        Async (the default of the config) returns once tensors are being staged; until the
+        copy is done, `optimizer.step()` and the model's forward wait for it (pipeline.py).
+        A previous save in flight is waited for first. Raises CheckpointError if a previous
+        async save failed.
 
         The model and optimizer state is checked finite first, agreed by all ranks: a NaN or
         an infinity raises NumericalFaultError on every rank with nothing written, never
@@ -130,8 +129,7 @@ class CheckpointManager:
         built = time.perf_counter() - t0
         blobs = {k: v for k, v in sd.items() if isinstance(v, Unpacked)}
         tensors = {k: v for k, v in sd.items() if k not in blobs}
-        self._saves.fence(state.model, state.optimizer)  # before the copy starts
-        staged = self._saves.stage(tensors)
+        staged = self._saves.stage(tensors, fence=(state.model, state.optimizer))
         blocked = time.perf_counter() - t0
         self._saves.submit(self._async_job, staged, blobs, list(sd), step, t0, blocked, built)
 

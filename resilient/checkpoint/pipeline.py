@@ -48,8 +48,10 @@ class SavePipeline:
         if isinstance(started, Future):
             started.result()
 
-    def stage(self, tensors: dict[str, Any]) -> Future[Any]:
-        """Start copying `tensors` away from the live ones; the copies, once done."""
+    def stage(self, tensors: dict[str, Any], *, fence: tuple[Any, Any]) -> Future[Any]:
+        """Start copying `tensors` away from the live ones; the copies, once done. `fence`:
+        the (model, optimizer) they come from, fenced first (`fence`; None where absent)."""
+        self.fence(*fence)
         staged = self._get_stager().stage(tensors)
         if not isinstance(staged, Future):  # synchronous stager: already a copy
             done: Future[Any] = Future()
