@@ -65,14 +65,24 @@ def fsync_file(path: Path) -> None:
 
 
 def older_stager_shim(mgr: Any) -> bool:
-    """torch before 2.12: DCP's StateDictStager has no copier for classes (its deepcopy
-    raises KeyError: <class 'type'> on a CUDA tensor's reduction), which 2.12 added. Add the
-    same atomic copier, here in the benchmark only, so the staging path can be timed on a GPU
-    host whose torch is older than resilient's range. True when it was needed."""
-    table = mgr._saves._get_stager()._state_dict_stager._deepcopy_dispatch
-    if type in table:
+    """torch 2.12 and older: DCP's DefaultStager closes its StateDictStager after every
+    stage(), which empties the stager's copier table, so every stage after the first fails
+    (KeyError: <class 'type'>; docs/operating.md#torch-releases). Here, in the benchmark
+    only, so that the staging path can be timed on a GPU host whose torch is older than
+    resilient's range, that close keeps the table and only drops the cached buffers, as 2.13
+    does. True when it was needed."""
+    import inspect
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    if "_state_dict_stager.close()" not in inspect.getsource(DefaultStager._stage):
         return False
-    table[type] = lambda x, memo, **_: x
+    saves = mgr._saves
+    if saves._stager is not None:  # it may have staged once already (its thread's start)
+        saves._stager.close()
+        saves._stager = None
+    stager = saves._get_stager()._state_dict_stager  # a new one, its table whole
+    stager.close = stager._cached_storage_mapping.clear
     return True
 
 
