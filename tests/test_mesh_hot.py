@@ -10,10 +10,11 @@ run of the same mesh, shared by the module's tests:
   shard group and left), and the one no survivor met (docs/hot-recovery.md: every survivor
   waited on another, through the save in flight; it turned 2 of 3 runs of this fault cold
   before the fix). The replacement's shards come from its replicate peer's own snapshot, and
-  no rank keeps a second copy of a shard. Extended (CI's budget; docs/hot-recovery.md);
+  no rank keeps a second copy of a shard. Run `solo` (alone, after the two-worker part of
+  make test: docs/hot-recovery.md);
 - dp x tp, rank 3 killed at step 5: hot, its shards from its buddy's whole replica (this
-  fault met the stall in 2 of 3 runs on the loaded 2-core machine before the fix; extended:
-  one cold fallback left, docs/hot-recovery.md);
+  fault met the stall in 2 of 3 runs on the loaded 2-core machine before the fix; `solo`:
+  one cold fallback left under load, docs/hot-recovery.md);
 - HSDP with the SDC check on, a bit flipped in rank 2's shard: the check compares within each
   replicate group, names that group ({0, 2}: two replicas, no majority) and the run restarts
   from a checkpoint saved before the flip.
@@ -103,12 +104,12 @@ def _hot_formed(out: Path, killed_at: int) -> dict[int, dict[str, Any]]:
     return formed
 
 
-# make soak: a hang in a survivor's garbage collection that 4 of 15 runs met before its fix
+# A hang in a survivor's garbage collection that 4 of 15 runs met before its fix
 # (docs/hot-recovery.md): 12 of 12 since, and 16 of 16 forked (about 14 s each, quiet
-# machine, session 4). Tried in CI in session 5, beside a second pytest worker: its dp x tp
-# sibling went cold there once ("an in-flight async save or replica did not finish within
-# 10 s"), so both stay here
-@pytest.mark.extended
+# machine, session 4). Beside a second pytest worker (session 5) its dp x tp sibling went cold
+# once ("an in-flight async save or replica did not finish within 10 s"): both run `solo`,
+# alone after the two-worker part of make test
+@pytest.mark.solo
 def test_an_hsdp_rank_killed_is_recovered_hot_from_its_replicate_peer(
     golden: dict[tuple[int, int, int], str], tmp_path: Path
 ) -> None:
@@ -124,11 +125,11 @@ def test_an_hsdp_rank_killed_is_recovered_hot_from_its_replicate_peer(
     assert all(e["replica_bytes"] < e["bytes_per_copy"] for e in memory), memory
 
 
-# make soak: 1 of 8 runs after the stall's fix went cold, two survivors that had both left
-# waiting on each other in their save threads (cut loose since, docs/hot-recovery.md); 16 of
-# 16 forked since (session 4); under load beside a second pytest worker, 1 of 1 went cold
-# (session 5: a survivor's async save did not finish within the 10 s hot-recovery allowance)
-@pytest.mark.extended
+# 1 of 8 runs after the stall's fix went cold, two survivors that had both left waiting on
+# each other in their save threads (cut loose since, docs/hot-recovery.md); 16 of 16 forked
+# since (session 4); under load beside a second pytest worker, 1 of 1 went cold (session 5: a
+# survivor's async save did not finish within the 10 s hot-recovery allowance): `solo`
+@pytest.mark.solo
 def test_a_dp_x_tp_rank_killed_is_recovered_hot_from_its_buddys_replica(
     golden: dict[tuple[int, int, int], str], tmp_path: Path
 ) -> None:
