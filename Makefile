@@ -10,7 +10,7 @@ demo: setup
 	$(PY) -m chaos.demo
 
 # CI (.ci/run): lint, types, the full suite on .venv's torch, the range's floor (2.13.0,
-# constraints-cpu.txt), then a quick check on the range's newest release, whose side
+# constraints-cpu.txt), then the compatibility subset on the range's newest release, whose side
 # environment is built in the background while the suite runs (scripts/test.sh says how;
 # docs/operating.md#torch-releases). Where that environment cannot be built (no network or
 # disk), the release is reported loudly as untested, not failed.
