@@ -75,10 +75,6 @@ each torch behaviour resilient relies on, once: DCP save, load and verification
 context), a NaN and a spike rolled back in place, the supervisor's restarts (torch elastic's
 agent and torchrun's parser), gloo's peer-loss errors, lazy gloo groups, and an export read
 by transformers."""
-QUICK = ["tests/test_torch_compat.py"]
-"""`--subset --quick`: the shortened demo (a kill, torch elastic's restart, a DCP resume bit
-for bit), then every compat module's import-time checks of the private names, lazy gloo
-groups and the range itself. `make test` runs the whole SUBSET on the newest release."""
 XDIST = ["-n", "2", "--dist", "loadfile"]
 LAYOUT = 1  # bump when what a side environment holds changes: older ones are rebuilt
 
@@ -345,11 +341,6 @@ def main(argv: list[str] | None = None) -> int:
         "to <environment>.log beside it",
     )
     parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="with --subset: the demo and the compat checks only",
-    )
-    parser.add_argument(
         "--untested-if-unbuildable",
         action="store_true",
         help="(make test) where the environment cannot be built (no network, no disk, no such "
@@ -389,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     python = str(target / "bin" / "python")
     env = {**os.environ, BASE_VAR: base}
     if args.subset:
-        return subset(python, env, str(info["torch"]), quick=args.quick)
+        return subset(python, env, str(info["torch"]))
     if args.run is None:
         print(python)
         return 0
@@ -397,10 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     return subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
 
 
-def subset(python: str, env: dict[str, str], torch_version: str, quick: bool = False) -> int:
-    """The demo, then SUBSET (QUICK) under pytest, with this torch; the first failure's
-    status."""
-    tests = QUICK if quick else SUBSET
+def subset(python: str, env: dict[str, str], torch_version: str) -> int:
+    """The demo, then SUBSET under pytest, with this torch; the first failure's status."""
     with tempfile.TemporaryDirectory(prefix="resilient-torch-subset-") as out:
         basetemp = ["--basetemp", str(Path(out, "pytest"))]
         steps = [
@@ -410,7 +399,7 @@ def subset(python: str, env: dict[str, str], torch_version: str, quick: bool = F
             # workers, as make test runs the suite (44 s against 78 s on one here)
             (
                 "tests",
-                [python, "-m", "pytest", "-q", *XDIST, "-m", "not extended", *basetemp, *tests],
+                [python, "-m", "pytest", "-q", *XDIST, "-m", "not extended", *basetemp, *SUBSET],
             ),
         ]
         for name, cmd in steps:
