@@ -9,13 +9,14 @@ backward, observe the loss, optimizer.step through the watch's pre-step hook, en
 in rounds, the variants' order rotated every round:
 - off: no hook, no check (the bare step);
 - again: the same once more, an A/A control: its ratio to off is the noise floor;
-- nonfinite: the default check (one sum over the gradients, the loss; no message);
+- nonfinite: the default check (one screen over the gradients, the loss; no message);
 - spike: the same with spike detection on (its verdict rides DDP's gradient all-reduce).
 Ratios are medians over rounds of (median step of the variant's block / off's, same round):
 `*_side_by_side`. Their noise (the A/A line) is larger than the checks, so the figures
 `nonfinite_overhead` and `spike_overhead` are the direct accounting: all the watch adds to a
 step (begin, observe, the loss hook, the pre-step check on real gradients, end of step;
-median of 50, both ranks in step, less the same bare one-element backward) over off's step.
+median of 300 (100 with --quick), both ranks in step, interleaved with the same bare
+one-element backward, whose median is taken off) over off's step.
 The replica check (sdc) is timed on its own (fingerprint of every parameter and the
 all-gather, median of 20) and divided by its default interval (100 steps) of off's step.
 
@@ -150,13 +151,16 @@ def worker(args: argparse.Namespace) -> None:
             watch.end_step()
         return time.perf_counter() - t0
 
-    bare = statistics.median(tiny_backward(None, i) for i in range(50))
-    direct = {}
-    for name, watch in watches.items():
+    for watch in watches.values():
         watch.attach(opt, replicated=True).remove()  # replicated, as the hook in a run sees it
-        direct[name] = max(
-            0.0, statistics.median(tiny_backward(watch, i) for i in range(50)) - bare
-        )
+    # interleaved, bare and each watch in turn, so that a drift of the machine's speed over
+    # the samples lands on all of them alike
+    samples: dict[str | None, list[float]] = {None: [], **{name: [] for name in watches}}
+    for i in range(100 if args.quick else 300):
+        for name in samples:
+            samples[name].append(tiny_backward(watches.get(name or ""), i))
+    bare = statistics.median(samples[None])
+    direct = {name: max(0.0, statistics.median(samples[name]) - bare) for name in watches}
     opt.zero_grad(set_to_none=True)
     checks = []
     for _ in range(20):

@@ -101,6 +101,39 @@ def test_one_process_catches_a_nan_gradient_before_the_optimizer_changes_anythin
         watch.observe_loss(torch.ones(3))
 
 
+def test_the_loss_hook_carries_a_bad_loss_into_the_gradients_from_any_kind_of_loss() -> None:
+    """The hook that carries a bad loss into the gradients (for DDP's all-reduce to take to
+    every rank) sits on the node that made the loss: it must follow the loss when that node
+    has several outputs (the loss the second of them), and when the loss is a leaf."""
+    ctx = SimpleNamespace(distributed=False, world_size=1, rank=0, control_group=None)
+    watch = NumericWatch(NumericConfig(), ctx)  # type: ignore[arg-type]
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch.attach(opt, replicated=True)
+    watch.begin(0)
+    watch.observe_loss(math.nan)  # the step's loss so far is NaN: what follows must carry it
+    first, second = model(torch.ones(2, 4)).reshape(2).unbind()
+    watch.observe_loss(second)
+    second.backward()
+    assert model.weight.grad is not None and bool(model.weight.grad.isnan().all())
+    opt.step()
+    fault = watch.end_step()
+    assert fault is not None and "gradient non-finite" in fault.seen[0]
+    leaf = torch.tensor(2.0, requires_grad=True)
+    watch.begin(1)
+    watch.observe_loss(torch.tensor(math.inf))
+    watch.observe_loss(leaf)
+    leaf.backward()
+    assert leaf.grad is not None and bool(leaf.grad.isnan())
+    # a finite loss leaves every gradient bit as it is, through the same nodes
+    watch.begin(2)
+    model.zero_grad(set_to_none=True)
+    first, second = model(torch.ones(2, 4)).reshape(2).unbind()
+    watch.observe_loss(second)
+    second.backward()
+    assert torch.equal(model.weight.grad, torch.ones(1, 4))
+
+
 def test_the_screen_finds_every_kind_of_non_finite_and_changes_no_bit() -> None:
     """One call over every gradient (the op GradScaler uses, numeric/_torch_compat.py); a mix
     of dtypes, and a layout that op refuses (sparse), are still screened, and no gradient

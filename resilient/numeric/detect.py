@@ -30,6 +30,7 @@ only); its update has then happened, which a rollback undoes.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +130,9 @@ class NumericWatch:
         self.skipped = Skipped()
         self._optimizer: torch.optim.Optimizer | None = None
         self._step: int | None = None
-        self._loss: torch.Tensor | None = None
+        self._loss: torch.Tensor | float | None = None
+        """The step's observed loss so far: a number when it lives on the host (read once, as
+        it is observed), a tensor on its device (read with the screen: one sync a step)."""
         self._checked = False
         self._fault: Fault | None = None
         self._skip_step = False
@@ -141,6 +144,10 @@ class NumericWatch:
         self._unhooked = False
         """A loss was observed that no hook can follow (a number, or a tensor with no
         gradient): its verdict cannot ride the gradients either."""
+        self._params: list[torch.Tensor] = []
+        self._flags: dict[torch.device, torch.Tensor] = {}
+        """The screen's flag per device, kept at zero between steps (cleared when raised)."""
+        self._params_key: list[tuple[int, int]] | None = None
         self._spiked: torch.Tensor | bool = False
         """This rank turned its gradients NaN for a loss spike (not for a NaN loss, whose
         gradients are non-finite by themselves): the other ranks' non-finite gradients
@@ -179,22 +186,36 @@ class NumericWatch:
                     f"rt.observe(loss=...) takes a scalar loss, got a tensor of shape "
                     f"{tuple(loss.shape)}: reduce it first (loss.mean())"
                 )
-            value = loss.detach()
-            if value.dim() or value.dtype != torch.float32:
-                value = value.reshape(()).float()
+            value: torch.Tensor | float
+            if loss.is_cpu:
+                value = loss.item()
+            else:
+                value = loss.detach()
+                if value.dim() or value.dtype != torch.float32:
+                    value = value.reshape(()).float()
         elif isinstance(loss, int | float):
-            value = torch.tensor(float(loss))
+            value = float(loss)
         else:
             raise TypeError(
                 f"rt.observe(loss=...) takes a scalar tensor or a number, got {type(loss).__name__}"
             )
-        self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+        if self._loss is None:
+            self._loss = value
+        elif isinstance(self._loss, torch.Tensor) and isinstance(value, torch.Tensor):
+            self._loss = self._loss + value.to(self._loss.device)
+        else:  # a number and a number, or a device tensor and a number
+            self._loss = self._loss + value
         if not self._replicated:
             return
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             self._tokens += 1
             self._unfired.add(self._tokens)
-            loss.register_hook(self._carry(self._tokens))
+            hook = self._carry(self._tokens)
+            node = loss.grad_fn
+            if node is None:  # a leaf
+                loss.register_hook(hook)
+            else:  # the same hook on the node that makes the loss: a third of the cost
+                node.register_prehook(_on_output(hook, loss.output_nr))
         else:
             self._unhooked = True
 
@@ -215,8 +236,8 @@ class NumericWatch:
             loss, thr, nonfinite = self._loss, self._threshold(), self.config.nonfinite
             if loss is None or (thr is None and not nonfinite):
                 return None
-            if loss.device.type == "cpu":  # a number on the host: decide here
-                v = float(loss)
+            if not isinstance(loss, torch.Tensor):  # a number on the host: decide here
+                v = loss
                 spike = thr is not None and math.isfinite(v) and v > thr
                 if spike:
                     self._spiked = True
@@ -249,37 +270,47 @@ class NumericWatch:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None:  # outside the loop (a warm-up step of the script's own)
             return
-        grads = [
-            p.grad
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
+        grads = [g for g in map(_grad, self._params_of(optimizer)) if g is not None]
         self._check(grads=grads, phase="optimizer")
         if self._fault is not None or self._skip_step:
             optimizer.zero_grad(set_to_none=True)  # step() then changes nothing
 
+    def _params_of(self, optimizer: Any) -> list[torch.Tensor]:
+        """The optimizer's parameters, walked again only when its groups change (a group
+        added, or a group's list replaced or resized): the walk is a per-step cost."""
+        groups = optimizer.param_groups
+        key = [(id(ps), len(ps)) for ps in map(_params, groups)]
+        if key != self._params_key:
+            self._params = [p for g in groups for p in g["params"]]
+            self._params_key = key
+        return self._params
+
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
         self._checked = True
         loss, spiked = self._loss, self._spiked
-        screen = _screen(grads) if grads else None
+        screen = _screen(grads, self._flags) if grads else None
         if (
-            (loss is None or loss.device.type == "cpu")
-            and (screen is None or screen.device.type == "cpu")
+            not isinstance(loss, torch.Tensor)
+            and (screen is None or screen.is_cpu)
             and not isinstance(spiked, torch.Tensor)
         ):  # all on the host (the usual CPU step): no tensors to build and move
-            loss_t = math.nan if loss is None else float(loss)
-            screened = 0.0 if screen is None else float(screen)
+            loss_t = math.nan if loss is None else loss
+            screened = 0.0 if screen is None else screen.item()
             carried = spiked
         else:  # the loss, the screen and the carried spike come to the host together: one
             # device sync a step
-            parts = [loss if loss is not None else torch.tensor(math.nan)]
+            parts = [
+                loss
+                if isinstance(loss, torch.Tensor)
+                else torch.tensor(math.nan if loss is None else loss)
+            ]
             parts.append(screen if screen is not None else torch.tensor(0.0))
             parts.append(spiked if isinstance(spiked, torch.Tensor) else torch.tensor(spiked))
             loss_t, screened, carried_f = _host(parts)
             carried = bool(carried_f)
         flagged, norm_t = bool(grads) and screened != 0.0, math.nan  # NaN != 0 too
         if flagged:  # the screen flags: the exact look, and the norm for the event
+            self._flags.clear()  # the next step's screen starts from a fresh zero
             flagged = _any_nonfinite(grads or [])
             norm_t = float(_norm(grads or [])) if flagged else math.nan
         has_loss, has_norm = loss is not None, flagged
@@ -344,6 +375,17 @@ class NumericWatch:
         return torch.stack(out)
 
 
+def _on_output(hook: Any, nr: int) -> Any:
+    """A tensor hook as a pre-hook of the node that made the tensor (its output `nr`)."""
+
+    def pre(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
+        grad = grads[nr]
+        new = None if grad is None else hook(grad)
+        return None if new is None else (*grads[:nr], new, *grads[nr + 1 :])
+
+    return pre
+
+
 def _host(parts: list[torch.Tensor]) -> list[float]:
     """Scalars as Python floats: one transfer for those on a device."""
     if all(t.device.type == "cpu" for t in parts):
@@ -352,29 +394,46 @@ def _host(parts: list[torch.Tensor]) -> list[float]:
     return values
 
 
+_grad = operator.attrgetter("grad")
+_params = operator.itemgetter("params")
+
+
 def _local(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    """Plain tensors as they are, DTensors' local shards (the type test first: `hasattr` on a
+    plain tensor raises and catches inside, a microsecond a gradient)."""
+    return [
+        g if type(g) is torch.Tensor or not hasattr(g, "to_local") else g.to_local() for g in grads
+    ]
 
 
-def _screen(grads: list[torch.Tensor]) -> torch.Tensor:
+def _screen(
+    grads: list[torch.Tensor], flags: dict[torch.device, torch.Tensor] | None = None
+) -> torch.Tensor:
     """A number that is 0 when every gradient element is finite, and positive or NaN when
     one is not. One call for all of them where the op takes them together (numeric/
     _torch_compat.py's `flag_nonfinite`, the op GradScaler uses: 0.1 ms for the recipe
     model's 28 gradients on one CPU thread, where one `sum` per tensor took 0.24 ms: the cost
     is per tensor, not per byte); else one call per device and dtype; and a tensor the op
     refuses (sparse, overlapping) is summed on its own (a NaN or inf makes its sum
-    non-finite, and so, rarely, do huge finite values: `_any_nonfinite` then decides)."""
+    non-finite, and so, rarely, do huge finite values: `_any_nonfinite` then decides).
+    `flags`: a flag per device to reuse, at zero (the caller drops a raised one)."""
     local = _local(grads)
-    flag = torch.zeros(1, device=local[0].device)
+    device = local[0].device
+    flag = None if flags is None else flags.get(device)
+    if flag is None:
+        flag = torch.zeros((), device=device)
+        if flags is not None:
+            flags[device] = flag
     try:
         flag_nonfinite(local, flag)
-        return flag[0]  # on its device: `_host` brings it over with the loss
+        return flag  # on its device: `_host` brings it over with the loss
     except RuntimeError:  # mixed devices or dtypes the op will not take together
-        pass
+        if flags is not None:
+            flags.pop(device, None)  # the op may have written to it before refusing
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in local:
         groups.setdefault((g.device, g.dtype), []).append(g)
-    flags = []
+    found = []
     for (device, _dtype), group in groups.items():
         flag = torch.zeros(1, device=device)
         try:
@@ -382,8 +441,8 @@ def _screen(grads: list[torch.Tensor]) -> torch.Tensor:
         except RuntimeError:  # a layout the op does not take
             sums = torch.stack([g.sum(dtype=torch.float32) for g in group])
             flag = (~torch.isfinite(sums.sum())).float().reshape(1)
-        flags.append(flag.cpu())
-    return torch.cat(flags).sum()
+        found.append(flag.cpu())
+    return torch.cat(found).sum()
 
 
 def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
