@@ -8,11 +8,11 @@ the loss the script observed and, with spike detection on, compares that loss wi
 running mean.
 
 Agreeing costs no message of its own in the usual DDP step. The reduced gradients are the
-same on every rank, so their screen gives every rank the same verdict on them. A loss observed
-before its backward carries its own verdict into them: a hook on the loss tensor makes the
-gradient flowing back from it NaN when the loss is non-finite or spiked, so DDP's gradient
-all-reduce puts the NaN on every rank (the way the OOM guard's failing rank joins it,
-guard/attempt.py), and every rank finds it before `optimizer.step()`. Only then, on a
+same on every rank, so their screen gives every rank the same verdict on them. A loss
+observed before its backward carries its own verdict into them: a hook on the node that made
+the loss makes the gradient flowing back from it NaN when the loss is non-finite or spiked,
+so DDP's gradient all-reduce puts the NaN on every rank (the way the OOM guard's failing rank
+joins it, guard/attempt.py), and every rank finds it before `optimizer.step()`. Only then, on a
 finding, does one all-gather on the control group name the rank it came from and what each
 saw. Where the gradients are not replicated (FSDP2's shards, or a loop without a tracked
 optimizer), or with spike detection on and a loss observed after its backward (too late to
