@@ -112,7 +112,7 @@ def test_the_loss_hook_carries_a_bad_loss_into_the_gradients_from_any_kind_of_lo
     watch.attach(opt, replicated=True)
     watch.begin(0)
     watch.observe_loss(math.nan)  # the step's loss so far is NaN: what follows must carry it
-    first, second = model(torch.ones(2, 4)).reshape(2).unbind()
+    _, second = model(torch.ones(2, 4)).reshape(2).unbind()
     watch.observe_loss(second)
     second.backward()
     assert model.weight.grad is not None and bool(model.weight.grad.isnan().all())
@@ -128,7 +128,7 @@ def test_the_loss_hook_carries_a_bad_loss_into_the_gradients_from_any_kind_of_lo
     # a finite loss leaves every gradient bit as it is, through the same nodes
     watch.begin(2)
     model.zero_grad(set_to_none=True)
-    first, second = model(torch.ones(2, 4)).reshape(2).unbind()
+    _, second = model(torch.ones(2, 4)).reshape(2).unbind()
     watch.observe_loss(second)
     second.backward()
     assert torch.equal(model.weight.grad, torch.ones(1, 4))
