@@ -138,7 +138,7 @@ def test_the_screen_finds_every_kind_of_non_finite_and_changes_no_bit() -> None:
     """One call over every gradient (the op GradScaler uses, numeric/_torch_compat.py); a mix
     of dtypes, and a layout that op refuses (sparse), are still screened, and no gradient
     bit changes (subnormals and -0.0 included)."""
-    from resilient.numeric.detect import _screen
+    from resilient.numeric.screen import screen
 
     def fresh() -> list[torch.Tensor]:
         return [
@@ -150,19 +150,19 @@ def test_the_screen_finds_every_kind_of_non_finite_and_changes_no_bit() -> None:
 
     grads = fresh()
     bits = [g.clone() for g in grads]
-    assert float(_screen(grads)) == 0.0
+    assert float(screen(grads)) == 0.0
     assert all(torch.equal(a, b) for a, b in zip(grads, bits, strict=True))
     assert torch.equal(grads[0].view(torch.int32), bits[0].view(torch.int32))  # -0.0, 1e-45
     for index, where, bad in [(1, 7, math.nan), (2, 3, -math.inf), (3, 0, math.inf)]:
         grads = fresh()
         grads[index].view(-1)[where] = bad
-        got = float(_screen(grads))
+        got = float(screen(grads))
         assert got != 0.0, (index, bad)  # positive, or NaN
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, math.nan], (4,), check_invariants=True)
-    assert float(_screen([torch.randn(3), sparse])) != 0.0
+    assert float(screen([torch.randn(3), sparse])) != 0.0
     assert (
         float(
-            _screen(
+            screen(
                 [torch.randn(3), torch.sparse_coo_tensor([[0]], [1.0], (4,), check_invariants=True)]
             )
         )

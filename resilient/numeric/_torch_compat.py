@@ -7,8 +7,8 @@
   (a `sum` or an `isfinite` each: 0.24 ms for the recipes' 28 gradients on one CPU thread,
   against 0.09 ms for this op). With a scale of exactly 1 it writes every element back
   unchanged (its kernels keep the value as it is when the scale is 1), so no gradient bit
-  changes. It is used by numeric/detect.py's screen, which falls back to one `sum` per
-  tensor where this op refuses a tensor (a layout it does not take).
+  changes. It is used by numeric/screen.py, which falls back to one `sum` per tensor where
+  this op refuses a tensor (a layout it does not take).
 
 A torch without it fails here, at import, with TorchCompatError naming the torch version and
 the feature (resilient/_torch_check.py).
@@ -29,7 +29,7 @@ __all__ = ["flag_nonfinite"]
 require_attrs(
     torch,
     ("_amp_foreach_non_finite_check_and_unscale_",),
-    feature="the numerical check's gradient screen (numeric/detect.py)",
+    feature="the numerical check's gradient screen (numeric/screen.py)",
 )
 
 _ONES: dict[torch.device, torch.Tensor] = {}

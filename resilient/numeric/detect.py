@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from resilient.groups.groups import DistContext
-from resilient.numeric._torch_compat import flag_nonfinite
 from resilient.numeric.config import NumericConfig
+from resilient.numeric.screen import any_nonfinite, norm, screen
 
 __all__ = ["Fault", "NumericWatch"]
 
@@ -288,14 +288,14 @@ class NumericWatch:
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
         self._checked = True
         loss, spiked = self._loss, self._spiked
-        screen = _screen(grads, self._flags) if grads else None
+        flag = screen(grads, self._flags) if grads else None
         if (
             not isinstance(loss, torch.Tensor)
-            and (screen is None or screen.is_cpu)
+            and (flag is None or flag.is_cpu)
             and not isinstance(spiked, torch.Tensor)
         ):  # all on the host (the usual CPU step): no tensors to build and move
             loss_t = math.nan if loss is None else loss
-            screened = 0.0 if screen is None else screen.item()
+            screened = 0.0 if flag is None else flag.item()
             carried = spiked
         else:  # the loss, the screen and the carried spike come to the host together: one
             # device sync a step
@@ -304,15 +304,15 @@ class NumericWatch:
                 if isinstance(loss, torch.Tensor)
                 else torch.tensor(math.nan if loss is None else loss)
             ]
-            parts.append(screen if screen is not None else torch.tensor(0.0))
+            parts.append(flag if flag is not None else torch.tensor(0.0))
             parts.append(spiked if isinstance(spiked, torch.Tensor) else torch.tensor(spiked))
             loss_t, screened, carried_f = _host(parts)
             carried = bool(carried_f)
         flagged, norm_t = bool(grads) and screened != 0.0, math.nan  # NaN != 0 too
         if flagged:  # the screen flags: the exact look, and the norm for the event
             self._flags.clear()  # the next step's screen starts from a fresh zero
-            flagged = _any_nonfinite(grads or [])
-            norm_t = float(_norm(grads or [])) if flagged else math.nan
+            flagged = any_nonfinite(grads or [])
+            norm_t = float(norm(grads or [])) if flagged else math.nan
         has_loss, has_norm = loss is not None, flagged
         nonfinite, thr = self.config.nonfinite, self._threshold()
         loss_bad = nonfinite and has_loss and not math.isfinite(loss_t)
@@ -396,72 +396,6 @@ def _host(parts: list[torch.Tensor]) -> list[float]:
 
 _grad = operator.attrgetter("grad")
 _params = operator.itemgetter("params")
-
-
-def _local(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Plain tensors as they are, DTensors' local shards (the type test first: `hasattr` on a
-    plain tensor raises and catches inside, a microsecond a gradient)."""
-    return [
-        g if type(g) is torch.Tensor or not hasattr(g, "to_local") else g.to_local() for g in grads
-    ]
-
-
-def _screen(
-    grads: list[torch.Tensor], flags: dict[torch.device, torch.Tensor] | None = None
-) -> torch.Tensor:
-    """A number that is 0 when every gradient element is finite, and positive or NaN when
-    one is not. One call for all of them where the op takes them together (numeric/
-    _torch_compat.py's `flag_nonfinite`, the op GradScaler uses: 0.1 ms for the recipe
-    model's 28 gradients on one CPU thread, where one `sum` per tensor took 0.24 ms: the cost
-    is per tensor, not per byte); else one call per device and dtype; and a tensor the op
-    refuses (sparse, overlapping) is summed on its own (a NaN or inf makes its sum
-    non-finite, and so, rarely, do huge finite values: `_any_nonfinite` then decides).
-    `flags`: a flag per device to reuse, at zero (the caller drops a raised one)."""
-    local = _local(grads)
-    device = local[0].device
-    flag = None if flags is None else flags.get(device)
-    if flag is None:
-        flag = torch.zeros((), device=device)
-        if flags is not None:
-            flags[device] = flag
-    try:
-        flag_nonfinite(local, flag)
-        return flag  # on its device: `_host` brings it over with the loss
-    except RuntimeError:  # mixed devices or dtypes the op will not take together
-        if flags is not None:
-            flags.pop(device, None)  # the op may have written to it before refusing
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in local:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    found = []
-    for (device, _dtype), group in groups.items():
-        flag = torch.zeros(1, device=device)
-        try:
-            flag_nonfinite(group, flag)
-        except RuntimeError:  # a layout the op does not take
-            sums = torch.stack([g.sum(dtype=torch.float32) for g in group])
-            flag = (~torch.isfinite(sums.sum())).float().reshape(1)
-        found.append(flag.cpu())
-    return torch.cat(found).sum()
-
-
-def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
-    return any(not bool(torch.isfinite(g).all()) for g in _local(grads))
-
-
-def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm over this rank's gradients (local shards of DTensors): NaN or inf when any
-    element is. One fused pass per device (torch.nn.utils.get_total_norm, foreach where the
-    device has it); the result stays on the device."""
-    local = _local(grads)
-    by_device: dict[Any, list[torch.Tensor]] = {}
-    for g in local:
-        by_device.setdefault(g.device, []).append(g)
-    norms = [
-        torch.nn.utils.get_total_norm(group, norm_type=2.0).float().cpu()
-        for group in by_device.values()
-    ]
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _said(v: float) -> float | str:
