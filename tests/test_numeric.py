@@ -134,6 +134,30 @@ def test_the_loss_hook_carries_a_bad_loss_into_the_gradients_from_any_kind_of_lo
     assert torch.equal(model.weight.grad, torch.ones(1, 4))
 
 
+def test_a_parameter_the_optimizer_gains_later_is_screened_too() -> None:
+    """The watch walks the optimizer's parameters again only when its groups change: a group
+    added, and a group's list replaced by another of the same length, are both seen."""
+    ctx = SimpleNamespace(distributed=False, world_size=1, rank=0, control_group=None)
+    watch = NumericWatch(NumericConfig(), ctx)  # type: ignore[arg-type]
+    a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    opt = torch.optim.SGD([a], lr=0.1)
+    watch.attach(opt)
+
+    def step_with_nan_in(p: torch.nn.Parameter, step: int) -> Any:
+        for q in (a, b, c):
+            q.grad = torch.zeros(2)
+        p.grad = torch.tensor([0.0, math.nan])
+        watch.begin(step)
+        opt.step()
+        return watch.end_step()
+
+    assert step_with_nan_in(b, 0) is None  # b is not the optimizer's yet
+    opt.add_param_group({"params": [b]})
+    assert step_with_nan_in(b, 1) is not None
+    opt.param_groups[0]["params"] = [c]  # the same length, another list
+    assert step_with_nan_in(c, 2) is not None
+
+
 def test_the_screen_finds_every_kind_of_non_finite_and_changes_no_bit() -> None:
     """One call over every gradient (the op GradScaler uses, numeric/_torch_compat.py); a mix
     of dtypes, and a layout that op refuses (sparse), are still screened, and no gradient

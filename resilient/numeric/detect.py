@@ -148,6 +148,7 @@ class NumericWatch:
         self._flags: dict[torch.device, torch.Tensor] = {}
         """The screen's flag per device, kept at zero between steps (cleared when raised)."""
         self._params_key: list[tuple[int, int]] | None = None
+        self._param_lists: list[list[torch.Tensor]] = []
         self._spiked: torch.Tensor | bool = False
         """This rank turned its gradients NaN for a loss spike (not for a NaN loss, whose
         gradients are non-finite by themselves): the other ranks' non-finite gradients
@@ -283,6 +284,7 @@ class NumericWatch:
         if key != self._params_key:
             self._params = [p for g in groups for p in g["params"]]
             self._params_key = key
+            self._param_lists = list(map(_params, groups))  # held: no new list takes their id
         return self._params
 
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
