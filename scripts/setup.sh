@@ -16,8 +16,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "setup: no CUDA found, installing the CPU build of torch (constraints-cpu.txt)"
 fi
 # grep drops this machine's pip-config noise about absent local mirrors; pip's status is kept.
-# pip compiles what it installs to bytecode on one core (about a minute for torch and the rest);
-# --no-compile, then compileall on every core, below, does the same work in about half the time.
+# pip compiles what it installs to bytecode on one core while the other idles; --no-compile, then
+# compileall on every core (below) does the same work: a fresh set-up in 166 s instead of 197 s.
 pip_install() {
   PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q --no-compile "$@" -e ".[dev]" 2>&1 \
     | { grep -v -e "is ignored: it is neither" || true; }
