@@ -147,8 +147,8 @@ class NumericWatch:
         self._params: list[torch.Tensor] = []
         self._flags: dict[torch.device, torch.Tensor] = {}
         """The screen's flag per device, kept at zero between steps (cleared when raised)."""
-        self._params_key: list[tuple[int, int]] | None = None
-        self._param_lists: list[list[torch.Tensor]] = []
+        self._param_lists: list[tuple[list[torch.Tensor], int]] = []
+        """Each group's list of parameters and its length when `_params` was walked."""
         self._spiked: torch.Tensor | bool = False
         """This rank turned its gradients NaN for a loss spike (not for a NaN loss, whose
         gradients are non-finite by themselves): the other ranks' non-finite gradients
@@ -279,12 +279,13 @@ class NumericWatch:
     def _params_of(self, optimizer: Any) -> list[torch.Tensor]:
         """The optimizer's parameters, walked again only when its groups change (a group
         added, or a group's list replaced or resized): the walk is a per-step cost."""
-        groups = optimizer.param_groups
-        key = [(id(ps), len(ps)) for ps in map(_params, groups)]
-        if key != self._params_key:
-            self._params = [p for g in groups for p in g["params"]]
-            self._params_key = key
-            self._param_lists = list(map(_params, groups))  # held: no new list takes their id
+        lists = list(map(_params, optimizer.param_groups))
+        if len(lists) != len(self._param_lists) or any(
+            ps is not held or len(ps) != n
+            for ps, (held, n) in zip(lists, self._param_lists, strict=True)
+        ):
+            self._params = [p for ps in lists for p in ps]
+            self._param_lists = [(ps, len(ps)) for ps in lists]
         return self._params
 
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
