@@ -10,10 +10,10 @@ import torch
 
 from resilient.numeric._torch_compat import flag_nonfinite
 
-__all__ = ["any_nonfinite", "local_shards", "norm", "screen"]
+__all__ = ["any_nonfinite", "norm", "screen"]
 
 
-def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Plain tensors as they are, DTensors' local shards (the type test first: `hasattr` on a
     plain tensor raises and catches inside, a microsecond a gradient)."""
     return [
@@ -32,7 +32,7 @@ def screen(
     refuses (sparse, overlapping) is summed on its own (a NaN or inf makes its sum
     non-finite, and so, rarely, do huge finite values: `any_nonfinite` then decides).
     `flags`: a flag per device to reuse, at zero (the caller drops a raised one)."""
-    local = local_shards(grads)
+    local = _local_shards(grads)
     device = local[0].device
     flag = None if flags is None else flags.get(device)
     if flag is None:
@@ -61,14 +61,14 @@ def screen(
 
 
 def any_nonfinite(grads: list[torch.Tensor]) -> bool:
-    return any(not bool(torch.isfinite(g).all()) for g in local_shards(grads))
+    return any(not bool(torch.isfinite(g).all()) for g in _local_shards(grads))
 
 
 def norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm over this rank's gradients (local shards of DTensors): NaN or inf when any
     element is. One fused pass per device (torch.nn.utils.get_total_norm, foreach where the
     device has it); the result stays on the device."""
-    local = local_shards(grads)
+    local = _local_shards(grads)
     by_device: dict[Any, list[torch.Tensor]] = {}
     for g in local:
         by_device.setdefault(g.device, []).append(g)
