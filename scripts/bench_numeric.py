@@ -155,11 +155,11 @@ def worker(args: argparse.Namespace) -> None:
         watch.attach(opt, replicated=True).remove()  # replicated, as the hook in a run sees it
     # interleaved, bare and each watch in turn, so that a drift of the machine's speed over
     # the samples lands on all of them alike
-    samples: dict[str | None, list[float]] = {None: [], **{name: [] for name in watches}}
+    samples: dict[str, list[float]] = {"bare": [], **{name: [] for name in watches}}
     for i in range(100 if args.quick else 300):
         for name in samples:
-            samples[name].append(tiny_backward(watches.get(name or ""), i))
-    bare = statistics.median(samples[None])
+            samples[name].append(tiny_backward(watches.get(name), i))  # bare: no watch
+    bare = statistics.median(samples["bare"])
     direct = {name: max(0.0, statistics.median(samples[name]) - bare) for name in watches}
     opt.zero_grad(set_to_none=True)
     checks = []
