@@ -135,6 +135,11 @@ class SupervisedAgent(ElasticAgentBase):
         os.environ[ENV_ATTEMPT] = self.attempt_id  # inherited by the workers' environment
         if store_addr:
             os.environ[ENV_STORE] = store_addr
+            if worker_group.spec.rdzv_handler.use_agent_store:
+                # what a script's own init_process_group("gloo") connects to: the round's
+                # fresh store, not torch's shared one, which keeps the last attempt's keys
+                host, port = store_addr.rsplit(":", 1)
+                worker_group.master_addr, worker_group.master_port = host, int(port)
         else:
             os.environ.pop(ENV_STORE, None)
         self._roots = {}
@@ -154,15 +159,22 @@ class SupervisedAgent(ElasticAgentBase):
         return pids
 
     def _agree_round(self, worker_group: WorkerGroup) -> tuple[str, str, Any]:
-        """The attempt id and the workers' store address ("" for torch's own) that every
-        agent of this rendezvous round uses; the agent of group rank 0 decides both, and
-        hosts the store (third: the server, else None).
+        """The attempt id and the workers' store address ("" for none) that every agent of
+        this rendezvous round uses; the agent of group rank 0 decides both, and hosts the
+        store (third: the server, else None).
 
-        The store: where torch would have worker rank 0 host the workers' store (several
-        nodes, TORCH_DISABLE_SHARE_RDZV_TCP_STORE: docs/internals.md#g-rdzv-shared-store),
-        this agent hosts one instead, fresh for the round (`_host_round_store`). A store in a
-        worker dies with it, and with it the group's way to re-form: the loss of worker rank
-        0 could only go cold. The workers find it in ENV_STORE."""
+        The store is fresh for the round (`_host_round_store`), whatever torch would do:
+        - where torch shares its agent's store with the workers (one node, the default), that
+          store outlives the round and keeps the last attempt's keys, which a script's own
+          `init_process_group` reads back as its peers' old addresses: the restart dies of
+          "Connection refused" or hangs in gloo's connectFullMesh
+          (docs/internals.md#g-per-attempt-store). MASTER_ADDR:MASTER_PORT point at the
+          fresh store instead (start_workers).
+        - where torch would have worker rank 0 host it (several nodes,
+          TORCH_DISABLE_SHARE_RDZV_TCP_STORE: docs/internals.md#g-rdzv-shared-store), a
+          store in a worker dies with it, and with it the group's way to re-form: the loss of
+          worker rank 0 could only go cold.
+        The workers find it in ENV_STORE."""
         store = worker_group.store
         if store is None:
             return f"r{self.restart_count}", "", None
@@ -179,12 +191,9 @@ class SupervisedAgent(ElasticAgentBase):
         return str(agreed["attempt"]), str(agreed["store"]), hosted
 
     def _host_round_store(self, worker_group: WorkerGroup) -> tuple[str, Any]:
-        """Start this round's workers' store in this process, where the workers would host it
-        otherwise; returns its "host:port" and the server (the agent's HotReplacer holds it
-        for the round: that reference keeps it up), or ("", None) when torch's agent store
-        serves already."""
-        if worker_group.spec.rdzv_handler.use_agent_store:
-            return "", None
+        """Start this round's workers' store in this process; returns its "host:port" and
+        the server (the agent's HotReplacer holds it for the round: that reference keeps it
+        up; the next round's start_workers drops it)."""
         from torch.distributed import TCPStore
 
         host = str(worker_group.master_addr)  # this node's address, as the rendezvous gave it

@@ -1,0 +1,71 @@
+"""Restarts that form for any script: a script that makes its own process group (as every
+framework does) restarts under `resilient run` as reliably as one that uses resilient.init().
+
+Before each round's workers start, the supervisor's agent hosts a fresh store and points
+MASTER_ADDR:MASTER_PORT at it (resilient/supervisor/agent.py). torch's own agent store
+outlives the round: a restarted `init_process_group("gloo")` read the last attempt's peer
+addresses there and died of "Connection refused" or hung in gloo's connectFullMesh (seen in
+2 of 3 such runs here before the change; docs/internals.md#g-per-attempt-store).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from resilient.exitcodes import ExitCode
+from tests.helpers import Launcher, run_cmd
+
+# the 8-line script of a user, plus a record of each attempt's formed group and a kill
+_PLAIN = textwrap.dedent(
+    """\
+    import json, os, sys, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group formed: every rank connected to every other
+    with open(sys.argv[1], "a") as f:
+        f.write(json.dumps({"rank": rank, "attempt": attempt, "sum": t.item()}) + "\\n")
+    for i in range(12):
+        dist.all_reduce(t); time.sleep(0.01)
+        if attempt < int(sys.argv[2]) and rank == 1 and i == 5:
+            os.kill(os.getpid(), 9)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_script_that_makes_its_own_group_forms_after_every_kill(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """Rank 1 is SIGKILLed mid-run in each of 10 attempts; every restart forms its group
+    (an all-reduce over both ranks) and the 11th attempt finishes: exit 0."""
+    kills = 10
+    script, rec = tmp_path / "plain.py", tmp_path / "formed.jsonl"
+    script.write_text(_PLAIN)
+    code, _, err = launcher.run(
+        run_cmd(
+            "--nproc-per-node=2",
+            f"--run-dir={tmp_path / 'run'}",
+            f"--max-restarts={kills + 2}",
+            f"--crash-loop-restarts={kills + 2}",  # no checkpoints here: no progress to see
+            "--restart-backoff=0",
+            "--restart-jitter=0",
+            str(script),
+            str(rec),
+            str(kills),
+        ),
+        timeout=280,
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    formed = [json.loads(line) for line in rec.read_text().splitlines()]
+    assert sorted((r["attempt"], r["rank"]) for r in formed) == [
+        (a, r) for a in range(kills + 1) for r in (0, 1)
+    ]
+    assert {r["sum"] for r in formed} == {2.0}
+    assert "connectFullMesh" not in err and "Connection refused" not in err
