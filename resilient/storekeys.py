@@ -70,6 +70,15 @@ def meta(rank: int) -> str:
     return f"meta/{rank}"
 
 
+def learned(rank: int) -> str:
+    """Inside the watchdog's prefix: rank's learned timeouts (hang/learned.py)."""
+    return f"learned/{rank}"
+
+
+LEARNED_AGREED = "learned/agreed"
+"""Inside the watchdog's prefix: the learned timeouts every rank agreed on (rank 0 sets it)."""
+
+
 def watchdog_key(attempt: str, generation: int, key: str) -> str:
     """A watchdog key (heartbeat(), meta(), VERDICT) as seen from the base store."""
     return f"{worker_prefix(attempt, generation)}/{WATCHDOG}/{key}"

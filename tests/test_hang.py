@@ -168,3 +168,35 @@ def test_under_torchrun_a_hang_restarts_the_group(tmp_path: Path) -> None:
     assert "step 4 phase forward" in (run_dir / "stacks" / "rank2.txt").read_text()
     done = latest_event(run_dir, "runtime.done", rank=0)
     assert done is not None and done["restart"] == 1 and done["step"] == 8
+
+
+def test_a_stall_after_the_warm_up_is_named_in_the_learned_timeout(tmp_path: Path) -> None:
+    """Fixed timeout 60 s; after 5 warm steps the phases' timeouts are learned (the 1 s
+    floor here), agreed by every rank, and a sleeper is named in about that, saying so. A
+    checkpoint taken meanwhile holds the agreed table."""
+    codes, ranks = launch_ranks(
+        tmp_path,
+        [PACE, "hang@rank=1,step=40,phase=forward"],
+        "--steps",
+        "60",
+        "--save-every",
+        "35",
+        watchdog={
+            "timeout_s": 60.0,
+            "startup_timeout_s": 90.0,
+            "checkpoint_timeout_s": 90.0,
+            "learn_warmup_steps": 5,
+            "learn_floor_s": 1.0,
+            "learn_factor": 4.0,
+        },
+    )
+    run = tmp_path / "run"
+    assert codes == [ExitCode.HANG] * 3, codes
+    hang = only_event(run, "hang.detected")
+    assert hang["kind"] == "stalled" and hang["ranks"] == [1]
+    (named,) = hang["named"]
+    assert named["timeout_kind"] == "learned" and 1.0 <= named["timeout_s"] < 5, named
+    latency = timestamp(hang) - fault_time(ranks, 1, "hang")
+    assert latency < named["timeout_s"] + 0.25 + 2, latency  # not the fixed 60 s
+    learned = latest_event(run, "hang.timeouts", rank=0)
+    assert learned is not None and learned["timeouts_s"]["forward"] == 1.0
