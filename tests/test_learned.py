@@ -12,6 +12,7 @@ from resilient.errors import ConfigError
 from resilient.hang.heartbeat import HangDetector
 from resilient.hang.learned import MIN_SAMPLES, LearnedTimeouts, PhaseStats, agree
 from resilient.hang.phases import FLAG_WARM, Phase, Progress
+from resilient.report.causes import cause_of
 from tests.test_heartbeat_sim import IV, Sim, cfg, run_until_detection
 
 pytestmark = pytest.mark.timeout(30)
@@ -188,3 +189,21 @@ def test_the_first_step_and_a_one_off_keep_the_fixed_timeout() -> None:
     _, found = run_until_detection(det, sim, clock, 100, one_off)
     assert found is not None and found.details[0].timeout_kind == "fixed"
     assert found.details[0].timeout_s == 60.0
+
+
+def test_the_report_says_which_timeout_fired() -> None:
+    """`resilient report`'s cause of a hang: its kind, dated at the sleeper's last progress,
+    and the timeout that fired with its value."""
+    named = {"rank": 1, "step": 40, "progress_age_s": 1.3}
+    hang = {"event": "hang.detected", "t": 100.0, "kind": "stalled", "exit_code": 81}
+    learned = cause_of([{**hang, "named": [{**named, "timeout_kind": "learned", "timeout_s": 1}]}])
+    assert learned is not None and learned.kind == "hang"
+    assert learned.timeout == "learned 1.00 s" and learned.fault_t == pytest.approx(98.7)
+    fixed = cause_of([{**hang, "named": [{**named, "timeout_kind": "fixed", "timeout_s": 300}]}])
+    assert fixed is not None and fixed.timeout == "fixed 300.00 s"
+    by_agent = {**hang, "kind": "no_heartbeat", "by": "agent"}
+    state = {"rank": 1, "state": "stopped", "silent_s": 1.0, "timeout_kind": "process_state"}
+    stopped = cause_of([{**by_agent, "named": [state]}])
+    assert stopped is not None and (stopped.kind, stopped.timeout) == ("stopped", "process state")
+    zombie = cause_of([{**by_agent, "named": [{**state, "state": "zombie"}]}])
+    assert zombie is not None and zombie.kind == "lost process"

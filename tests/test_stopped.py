@@ -18,6 +18,7 @@ from helpers import GUARDED_STEPS, GUARDED_WATCHDOG, GUARDED_WORKER, Launcher, r
 
 from resilient.events import timestamp
 from resilient.proctree import alive
+from resilient.report import analyze
 from resilient.supervisor.stopped import proc_state
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -76,6 +77,13 @@ def test_a_stopped_rank_is_named_in_seconds_and_replaced_hot(tmp_path: Path) -> 
     (replace,) = run_events(tmp_path / "run", "recovery.hot.replace")
     assert (replace["rank"], replace["exit_code"]) == (1, -9)
     assert not run_events(tmp_path / "run", "recovery.cold")
+    (fault,) = analyze(tmp_path / "run").faults  # resilient report
+    assert (fault.kind, fault.recovery, fault.timeout) == (
+        "stop",
+        "hot replacement",
+        "process state",
+    )
+    assert fault.detect_s is not None and fault.detect_s < 3.0
 
 
 @pytest.mark.extended

@@ -37,6 +37,8 @@ class FaultReport:
     """COLD, HOT_ROLLBACK, HOT_REPLACEMENT or RETRY."""
     step: int | None = None
     """The step a numerical fault was seen at (None for other kinds)."""
+    timeout: str | None = None
+    """A hang's: which timeout fired and its value ("learned 5.00 s", causes.py)."""
 
     @property
     def label(self) -> str:

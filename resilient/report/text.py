@@ -63,6 +63,7 @@ def format_report(rep: RunReport) -> str:
         for i, f in enumerate(rep.faults):
             lost = "-" if f.steps_lost is None else str(f.steps_lost)
             note = "" if f.exact_time else "  (fault time estimated from the logs)"
+            note += f"  timeout: {f.timeout}" if f.timeout else ""
             lines.append(
                 f"{i:>5}  {f.label:<16}  {f.recovery:<16} {s(f.detect_s):>8} {s(f.restart_s):>10} "
                 f"{s(f.recover_s):>10}  {lost:>10}{note}"
