@@ -163,6 +163,14 @@ def test_a_peer_in_a_long_phase_keeps_everyone_on_the_fixed_timeouts() -> None:
     _, found = run_until_detection(det, sim, clock, 39.0, with_eval)
     assert found is None
 
+    def after_eval(now: float) -> None:  # rank 0 is back: rank 1's wait counts from now on
+        if sim.progress[0].phase == Phase.EVAL:
+            sim.set(0, now, phase=Phase.BACKWARD, step=10, seq=3000)
+
+    t, found = run_until_detection(det, sim, clock, 60.0, after_eval)
+    assert found is not None and found.ranks == (1,) and found.details[0].timeout_kind == "learned"
+    assert t >= 39.5 + 5.0, t
+
 
 def test_the_first_step_and_a_one_off_keep_the_fixed_timeout() -> None:
     clock = [0.0]

@@ -211,6 +211,8 @@ class HangDetector:
         self._learnable = self._training & ~self._pinned
         self._learned_t = self._warm_t.copy()
         self._learned = np.zeros(len(Phase), dtype=bool)
+        self._excused_at = -math.inf
+        """When a rank was last seen in a phase whose timeout is not learned (update)."""
         """Phases whose warm timeout is learned now (set_learned)."""
 
         self._strag_count = np.zeros(n, dtype=np.int64)
@@ -250,8 +252,12 @@ class HangDetector:
         learned = self._learned[phase] & ~one_off & warm
         if (active & (~self._training[phase] | one_off | ~warm)).any():
             learned = np.zeros_like(learned)
+            self._excused_at = now
         limit = np.where(warm, np.where(learned, self._learned_t[phase], self._warm_t[phase]), cold)
         progress_age = self._age + silent
+        # ...and a rank that waited on such a peer is judged by them from when it came back
+        # (the detector's last look at it), not from when it began waiting
+        age = np.where(learned, np.minimum(progress_age, now - self._excused_at), progress_age)
         if dead.any():
             named, kind = dead, "no_heartbeat"
             blocked = np.zeros_like(dead)
@@ -261,7 +267,7 @@ class HangDetector:
             # a beat overdue by two periods: the rank is probably stopped or dead; its stale
             # progress says nothing, so wait for its beat or for the heartbeat timeout
             quiet = active & (silent > 2 * self.config.heartbeat_interval_s)
-            over = active & ~quiet & (progress_age > limit)
+            over = active & ~quiet & (age > limit)
             if not over.any():
                 return Report(None, self._stragglers(beats, active & warm))
             if quiet.any():
