@@ -117,7 +117,8 @@ EXPORT_FAILED = "export.failed"
 HANG_DETECTED = "hang.detected"
 HANG_TIMEOUTS = "hang.timeouts"
 """Rank 0's watchdog, when the agreed learned timeouts change (by over 10 %): timeouts_s
-{phase: seconds} (hang/learned.py); the live metrics export them."""
+{phase: seconds} (hang/learned.py), and the phases `phase_timeouts_s` pins (never learned);
+the live metrics export them."""
 WORKER_FAILED = "worker.failed"
 PREEMPT_STOP = "preempt.stop"
 PREEMPT_EXIT = "preempt.exit"

@@ -3,7 +3,9 @@ checkpoint round trip, and the detector judging by it, with simulated heartbeats
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from resilient.errors import ConfigError
 from resilient.hang.heartbeat import HangDetector
 from resilient.hang.learned import MIN_SAMPLES, LearnedTimeouts, PhaseStats, agree
 from resilient.hang.phases import FLAG_WARM, Phase, Progress
+from resilient.report import analyze, format_report
 from resilient.report.causes import cause_of
 from tests.test_heartbeat_sim import IV, Sim, cfg, run_until_detection
 
@@ -215,3 +218,23 @@ def test_the_report_says_which_timeout_fired() -> None:
     assert stopped is not None and (stopped.kind, stopped.timeout) == ("stopped", "process state")
     zombie = cause_of([{**by_agent, "named": [{**state, "state": "zombie"}]}])
     assert zombie is not None and zombie.kind == "lost process"
+
+
+def test_the_report_lists_the_learned_and_the_pinned_timeouts(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lines = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "ts": "2026-12-01T10:00:00Z"},
+        {
+            "event": "hang.timeouts",
+            "rank": 0,
+            "restart": 0,
+            "ts": "2026-12-01T10:00:05Z",
+            "timeouts_s": {"forward": 5.0, "data": 7.5},
+            "pinned": ["step"],
+        },
+    ]
+    (logs / "rank0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    rep = analyze(tmp_path)
+    assert rep.hang_timeouts == {"forward": 5.0, "data": 7.5} and rep.hang_pinned == ["step"]
+    assert "learned: forward 5 s, data 7.5 s; pinned: step" in format_report(rep)

@@ -292,7 +292,10 @@ class Watchdog(Verdicts):
         if agreed is not None and det is not None:
             det.set_learned(agreed)
             if self.learned.adopt(agreed):
-                self._log.info(ev.HANG_TIMEOUTS, step=p.step, timeouts_s=self.learned.named())
+                pinned = sorted(ph.name.lower() for ph in self.config.pinned())
+                self._log.info(
+                    ev.HANG_TIMEOUTS, step=p.step, timeouts_s=self.learned.named(), pinned=pinned
+                )
 
     def _log_scores(self) -> None:
         """Local rank 0 logs every rank's straggler score, every straggler_scores_every_s:

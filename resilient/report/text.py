@@ -23,6 +23,10 @@ def format_report(rep: RunReport) -> str:
         f"save cost ({rep.save_cost_basis})  {s(rep.save_cost_s, ' s', 4)}  "
         f"(blocked {s(rep.blocked_s, ' s', 4)}, measured interval {s(rep.interval_s)})",
     ]
+    if rep.hang_timeouts or rep.hang_pinned:
+        learned = ", ".join(f"{k} {v:g} s" for k, v in rep.hang_timeouts.items()) or "none"
+        pinned = ", ".join(rep.hang_pinned) or "none"
+        lines.append(f"hang timeouts        learned: {learned}; pinned: {pinned}")
     if rep.replay_verified or rep.replay_diverged:
         steps = sum(n for _, n in rep.replay_verified)
         ranks = len({r for r, _ in rep.replay_verified})
