@@ -19,7 +19,7 @@ from helpers import GUARDED_STEPS, GUARDED_WATCHDOG, GUARDED_WORKER, Launcher, r
 from resilient.events import timestamp
 from resilient.proctree import alive
 from resilient.report import analyze
-from resilient.supervisor.stopped import proc_state
+from resilient.supervisor.stopped import StoppedWorkers, proc_state
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -92,3 +92,50 @@ def test_a_stopped_rank_is_named_in_seconds_and_the_group_restarts(tmp_path: Pat
     assert code == 0, err[-3000:]
     assert _detected_in(tmp_path) < 3.0
     assert len(run_events(tmp_path / "run", "attempt.start")) == 2
+
+
+class _Worker:
+    def __init__(self, local_rank: int, global_rank: int) -> None:
+        self.local_rank, self.global_rank, self.world_size = local_rank, global_rank, 4
+
+
+class _Group:
+    def __init__(self, *workers: _Worker) -> None:
+        self.workers = list(workers)
+
+
+def test_the_agent_names_a_stopped_worker_in_the_workers_store_once() -> None:
+    """StoppedWorkers as a unit: a stopped child (global rank 3) gets the verdict the
+    watchdog would write, claimed first, and is killed; a running one is left alone; the
+    claim is not taken twice."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    said: list[tuple[str, dict]] = []
+    watch = StoppedWorkers(
+        lambda _g: (store, "pre/watchdog"),
+        lambda event, **f: said.append((event, f)),
+        hot=lambda: True,
+        after_s=0.0,
+    )
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    stopped = subprocess.Popen(sleeper, start_new_session=True)
+    running = subprocess.Popen(sleeper, start_new_session=True)
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while proc_state(stopped.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        group = _Group(_Worker(0, 2), _Worker(1, 3))
+        watch.look(group, {0: running.pid, 1: stopped.pid})  # type: ignore[arg-type]
+        watch.look(group, {0: running.pid, 1: stopped.pid})  # type: ignore[arg-type]
+        assert stopped.wait(5) == -signal.SIGKILL and running.poll() is None
+        verdict = json.loads(store.get("pre/watchdog/verdict"))
+        assert (verdict["ranks"], verdict["kind"], verdict["code"]) == ([3], "no_heartbeat", 81)
+        assert verdict["hot"] is True and verdict["expect_acks"] == 3
+        assert verdict["named"][0]["state"] == "stopped" and store.add("pre/watchdog/claim", 0) == 1
+        assert [e for e, _ in said] == ["hang.detected", "watchdog.killed"]
+    finally:
+        for p in (stopped, running):
+            p.kill()
+            p.wait(10)
