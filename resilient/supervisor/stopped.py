@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -33,8 +34,8 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 from resilient import events as ev
 from resilient import storekeys
 from resilient.exitcodes import ExitCode
-from resilient.hang.heartbeat import decode_beats
-from resilient.hang.phases import Phase
+from resilient.hang.heartbeat import RankStatus, decode_beats
+from resilient.hang.phases import FLAG_FAILED, FLAG_MICRO_BACKWARD, FLAG_OOM, Phase
 from resilient.supervisor.procs import peek_exit
 
 __all__ = ["STOPPED_AFTER_S", "StoppedWorkers", "proc_state"]
@@ -98,8 +99,8 @@ class StoppedWorkers:
 
     def _name(self, worker_group: WorkerGroup, w: Any, pid: int, state: str, for_s: float) -> None:
         rank, world = int(w.global_rank), int(w.world_size)
-        named: dict[str, Any] = {"rank": rank, "pid": pid, "host": socket.gethostname()}
-        named.update(state=state, silent_s=round(for_s, 3), timeout_kind="process_state")
+        named: dict[str, Any] = {"rank": rank, "silent_s": round(for_s, 3)}
+        named.update(timeout_kind="process_state", pid=pid, host=socket.gethostname(), state=state)
         reason = f"rank {rank} (pid {pid}) is {state} (/proc state), seen by its node's agent"
         verdict = {
             "kind": "no_heartbeat",
@@ -117,7 +118,7 @@ class StoppedWorkers:
         published = False
         try:
             store, prefix = self._store(worker_group)
-            named.update(_last_beat(store, prefix, rank))
+            named.update(_last_beat(store, prefix, rank, for_s), state=state)
             if store.add(f"{prefix}/{storekeys.CLAIM}", 1) == 1:
                 store.set(f"{prefix}/{storekeys.VERDICT}", json.dumps(verdict))
                 published = True
@@ -131,11 +132,26 @@ class StoppedWorkers:
         self._on_event("watchdog.killed", rank=rank, pid=pid, state=state, verdict=published)
 
 
-def _last_beat(store: Any, prefix: str, rank: int) -> dict[str, Any]:
-    """The step and phase of `rank`'s last heartbeat, as its peers last heard."""
+def _last_beat(store: Any, prefix: str, rank: int, for_s: float) -> dict[str, Any]:
+    """`rank` as its last heartbeat described it (step, phase, a pipeline stage's action),
+    in the watchdog's words (RankStatus)."""
     key = f"{prefix}/{storekeys.heartbeat(rank)}"
     if not store.check([key]):
         return {}
     (b,) = decode_beats(bytes(store.get(key)))
-    phase = Phase(min(int(b["phase"]), int(Phase.CLOSED))).name.lower()
-    return {"step": int(b["step"]), "phase": phase}
+    flags = int(b["flags"])
+    return RankStatus(
+        rank=rank,
+        step=int(b["step"]),
+        phase=Phase(min(int(b["phase"]), int(Phase.CLOSED))).name.lower(),
+        seq=int(b["seq"]),
+        progress_age_s=float(b["age"]) + for_s,
+        silent_s=for_s,
+        timeout_s=math.nan,
+        failed=bool(flags & FLAG_FAILED),
+        oom=bool(flags & FLAG_OOM),
+        timeout_kind="process_state",
+        stage=int(b["stage"]),
+        micro=int(b["micro"]),
+        micro_backward=bool(flags & FLAG_MICRO_BACKWARD),
+    ).as_dict()
