@@ -36,7 +36,8 @@ class WatchdogConfig:
     """No heartbeat for this long: the rank's process is dead or stopped."""
     timeout_s: float = 300.0
     """Progress timeout of the training phases (data, forward, backward, optimizer, step,
-    agree): a live rank that stays this long in one of them is stalled."""
+    agree): a live rank that stays this long in one of them is stalled. With
+    `learn_timeouts`, the ceiling of their learned timeouts (the rule during the warm-up)."""
     startup_timeout_s: float = 900.0
     """Timeout of every phase until the first step of an attempt begins (process-group
     set-up, model build, checkpoint load)."""

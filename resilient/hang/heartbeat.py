@@ -10,7 +10,9 @@ Two signals, two failure modes:
 - progress: the main thread moves through phases (data, forward, backward, optimizer, ...).
   The culprits of a stall are the live ranks furthest behind (lowest progress sequence
   number: in a DDP hang the sleeper is still in `forward` while its peers wait in
-  `backward`); they are named once their progress is older than their own phase's timeout.
+  `backward`); they are named once their progress is older than their own phase's timeout:
+  the fixed one, or the learned one every rank agreed on (hang/learned.py, `set_learned`)
+  while every live rank is in a learned phase.
 
 Ages are measured by each rank on its own monotonic clock and aged further by the monitor's
 clock from when it saw the beat, so clocks never need to agree across hosts. Detection
