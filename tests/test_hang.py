@@ -198,6 +198,7 @@ def test_a_stall_after_the_warm_up_is_named_in_the_learned_timeout(tmp_path: Pat
     assert learned is not None and learned["timeouts_s"]["forward"] == 1.0
 
 
+@pytest.mark.extended  # 20 s; tests/test_learned.py checks the table's round trip in CI
 def test_a_resumed_group_judges_by_the_checkpoints_learned_timeouts(tmp_path: Path) -> None:
     """The first run learns and saves at step 50; the resumed one, whose own warm-up (80
     steps) is far off, names a stall 3 steps after its first with the checkpoint's table."""
