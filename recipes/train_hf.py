@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (the Trainer's fsdp settings)")
     p.add_argument("--plain", action="store_true", help="the stock Trainer, its own resume")
     args = p.parse_args()
 
@@ -77,6 +78,14 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         ddp_backend="gloo" if not torch.cuda.is_available() else None,
         disable_tqdm=True,
+        **(
+            {
+                "fsdp": "full_shard auto_wrap",
+                "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+            }
+            if args.fsdp
+            else {}
+        ),
     )
     trainer = Trainer(model=model, args=targs, train_dataset=Corpus(args.samples))
     last = get_last_checkpoint(targs.output_dir) if os.path.isdir(targs.output_dir) else None

@@ -72,6 +72,11 @@ class Trainer(transformers.Trainer):
         # the process group Accelerate made is adopted; the runtime adds its side groups
         self.rt = resilient.init(url, **opts)
         check_args(self, self.rt.log)
+        if a.fsdp and not self.is_fsdp_enabled:  # Accelerate shards on accelerators only
+            self.rt.log.warning(
+                "hf.fsdp_not_enabled",
+                reason="Accelerate enabled no FSDP plugin on this device: the model trains as DDP",
+            )
         self._loop: DrivenLoop | None = None
         self._batches: EpochBatches | None = None
         self._resume_at: tuple[int, int] | None = None
