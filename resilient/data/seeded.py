@@ -31,6 +31,13 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return (x * _MIX) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def _seed_all(s: int) -> None:
+    # the CPU generator alone: torch.manual_seed also walks every device type (90 us a call)
+    torch.default_generator.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s & 0xFFFF_FFFF)
+
+
 class SeededSamples(Dataset):
     """`dataset` with each `__getitem__` run under torch, random and numpy RNG seeded from
     (seed, epoch, index), the process's own streams untouched. `set_epoch` reaches the
@@ -49,11 +56,14 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         s = sample_seed(self.seed, int(self._epoch[0]), int(index))
+        if torch.utils.data.get_worker_info() is not None:
+            # a loader worker: its own streams are reseeded for every sample, nothing to keep
+            _seed_all(s)
+            return self.dataset[index]
+        # the main process: its streams are the run's, saved in checkpoints; leave them be
         py, npy = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s)
-            random.seed(s)
-            np.random.seed(s & 0xFFFF_FFFF)
+            _seed_all(s)
             try:
                 return self.dataset[index]
             finally:

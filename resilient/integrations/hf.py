@@ -194,10 +194,12 @@ class Trainer(transformers.Trainer):
             self.store_flos()
             self._loop.save()
 
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.rt.observe(loss=loss)  # the step's fingerprint and the non-finite check
-        return loss
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        out = super().compute_loss(model, inputs, *args, **kw)
+        # before its backward: the non-finite check rides DDP's all-reduce (no collective of
+        # its own), and the loss joins the step's fingerprint
+        self.rt.observe(loss=out[0] if isinstance(out, tuple) else out)
+        return out
 
 
 class _Steps(transformers.TrainerCallback):
