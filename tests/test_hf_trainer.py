@@ -67,6 +67,24 @@ def test_kill_9_resumes_bit_for_bit(tmp_path: Path, launcher: Launcher, fault_fr
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_hot_recovery_replaces_the_lost_rank_in_place(
+    tmp_path: Path, launcher: Launcher, fault_free: str
+) -> None:
+    """With --hot-recovery the survivor re-runs the script in place and a spare takes rank
+    1's place: Accelerate's own init_process_group forms on a fresh store for the generation
+    (hot/script_store.py), the state comes from the in-memory snapshots, and it ends equal."""
+    code, _, err = launcher.run(
+        _run(tmp_path, "--hot-recovery", faults=("kill@rank=1,step=27,phase=backward",)),
+        timeout=200,
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    assert "recovery.hot.formed" in err and "hot=True" in err
+    assert "restart=1" not in err  # no cold restart
+    assert _digest(tmp_path) == fault_free
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
     tmp_path: Path, launcher: Launcher, fault_free: str
 ) -> None:
