@@ -115,6 +115,32 @@ def test_a_nan_that_comes_back_stops_with_87(tmp_path: Path, launcher: Launcher)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_resume_on_fewer_ranks_runs_every_step_with_the_global_batch_said(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """Stopped at step 30 on 2 ranks, resumed on 1: the Trainer keeps its per-device batch, so
+    the global batch follows the world (one event, old and new), the loader continues at the
+    30th step's samples, and the run still ends at max_steps (the Trainer's epoch count,
+    computed for a fresh start on 1 rank, would have ended its loop at step 34)."""
+    first = run_cmd(
+        "--nproc-per-node=2",
+        f"--run-dir={tmp_path / 'run'}",
+        f"--checkpoint-url={tmp_path / 'ckpt'}",
+        RECIPE,
+        f"--out={tmp_path}",
+    )
+    code, _, err = launcher.run(first, timeout=150, env={"RESILIENT_STOP_AT": "30"})
+    assert code == ExitCode.OK, err[-4000:]
+    second = [a if a != "--nproc-per-node=2" else "--nproc-per-node=1" for a in first]
+    code, _, err = launcher.run(second, timeout=150)
+    assert code == ExitCode.OK, err[-4000:]
+    assert "data.global_batch_changed" in err and "saved=8" in err and "now=4" in err
+    assert "data.reshard" in err and "consumed=240" in err
+    assert _digest(tmp_path).startswith("60 ")
+
+
+@pytest.mark.slow
 @pytest.mark.extended  # `make soak`: the kill, hot, SIGTERM and NaN-persists cases run in CI
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(

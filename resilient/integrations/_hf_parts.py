@@ -29,6 +29,7 @@ SEAMS = {
     "get_batch_samples": ("epoch_iterator", "num_batches"),
     "_save_checkpoint": ("model", "trial"),
     "_load_rng_state": ("checkpoint",),
+    "set_initial_training_values": ("args", "dataloader"),
 }
 """The Trainer methods the adapter overrides or calls, with the parameters it relies on. The
 public callbacks cannot place a step's start before its batches are fetched, nor resume an

@@ -134,12 +134,23 @@ class Trainer(transformers.Trainer):
             optimizer=opt,
             scheduler=sched,
             loader=self._batches.loader,
+            # the Trainer keeps the per-device batch: on another world size the global batch
+            # follows it (one data.global_batch_changed event, old and new), no accumulation
+            global_batch_size=self._train_batch_size * self.rt.world_size,
             **extras,
         )
         self.rt.state.per_rank["hf_loss_window"] = TrainerLossWindow(self)
-        self._loop = DrivenLoop(self.rt, int(self.state.max_steps))
+        total = int(self.state.max_steps)  # as computed for this world size
+        self._loop = DrivenLoop(self.rt, total)
         self._batches.loop = self._loop
         step = self._loop.start()
+        if step and int(self.state.max_steps) != total:  # the saved TrainerState's differs
+            raise ConfigError(
+                f"this run was saved with {self.state.max_steps} steps in all and now counts "
+                f"{total}: an epoch-based schedule (num_train_epochs, no max_steps) resumed on "
+                "another number of ranks changes its length. Set max_steps, or resume on the "
+                "saved number of ranks"
+            )
         if step != self.state.global_step:
             raise RuntimeError(
                 f"resumed at step {step} but TrainerState says {self.state.global_step}: the "
@@ -148,6 +159,15 @@ class Trainer(transformers.Trainer):
         if step:
             self._resume_at = self._batches.position()
             self._initial_global_step = 0  # the run's totals, as an uninterrupted one logs
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
+        values = list(super().set_initial_training_values(args, dataloader))
+        if args.max_steps > 0:
+            # The epoch count bounds the Trainer's loop, and it is computed as if the run
+            # started at step 0 on this world size: a run resumed on fewer ranks would end
+            # its loop steps early. An upper bound instead; the loop stops at max_steps.
+            values[0] = max(values[0], args.max_steps)
+        return tuple(values)
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: Any
