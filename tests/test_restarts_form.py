@@ -72,6 +72,7 @@ def test_a_script_that_makes_its_own_group_forms_after_every_kill(
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # `make soak` (20 s): the plain script above runs in CI
 @pytest.mark.timeout(400)
 def test_a_trainer_script_forms_after_every_kill(tmp_path: Path, launcher: Launcher) -> None:
     """The same for a framework script: recipes/train_hf.py (Accelerate makes its process
