@@ -7,7 +7,6 @@ newest valid checkpoint, saving, and the coordinated stop on preemption. The loo
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -25,12 +24,7 @@ from resilient.data.batches import ResumableBatches
 from resilient.data.position import DataPosition
 from resilient.envvars import HotMode, parse_signals
 from resilient.errors import ConfigError
-from resilient.groups.groups import (
-    DistContext,
-    abandon_distributed,
-    init_distributed,
-    shutdown_distributed,
-)
+from resilient.groups.groups import DistContext, init_distributed, shutdown_distributed
 from resilient.guard.guard import Guard
 from resilient.guard.microbatch import MicroBatch
 from resilient.hang.phases import Phase
@@ -42,6 +36,7 @@ from resilient.numeric.detect import NumericWatch
 from resilient.preempt.loader_workers import shield_workers
 from resilient.preempt.watch import PreemptionWatch
 from resilient.replay.fingerprint import StepFingerprints
+from resilient.replay.grads import CarriedGrads
 from resilient.runtime import wiring
 from resilient.runtime.config import RuntimeConfig, build_config
 from resilient.runtime.errorfile import install_excepthook
@@ -144,6 +139,7 @@ class Runtime(Loops):
         self._data: DataPosition | None = None
         self.layout = MeshLayout.flat(self.ctx.world_size)  # the mesh by role, set in track()
         self._fp = StepFingerprints(self.log, world=self.ctx.world_size)
+        self._carried = CarriedGrads(self.log)  # grads.carried: .grad across a step boundary
         self.numeric = NumericWatch(config.numeric, self.ctx)  # numerical faults (numeric/)
         self._numeric = NumericResponse(self)
         self._init_loops()  # resilient/runtime/loops.py
@@ -284,25 +280,7 @@ class Runtime(Loops):
         self._abandoned = True
         if _current is self:
             _current = None
-        self.watchdog.stop(barrier=False)
-        self.preemption.uninstall()
-        self._uninstall_excepthook()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-        # a save or replica exchange that lost the peer fails (one on a leaver's: cut loose)
-        if not wiring.drain(drain_s, self.checkpoints.wait, self.watchdog):
-            return False
-        replicas = self.snapshots.replicas
-        if replicas is not None and not wiring.drain(drain_s, replicas.wait, self.watchdog):
-            return False
-        if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
-            self.lost_save = self._saved_step
-        with contextlib.suppress(BaseException):
-            self.checkpoints.close()
-        abandon_distributed(self.ctx, None if replicas is None else replicas.group)
-        return True
+        return wiring.abandon(self, drain_s)  # threads, hooks, a save in flight, the groups
 
     def save(self, *, blocking: bool | None = None) -> None:
         """Checkpoint the tracked state at the current step (async unless configured)."""
@@ -314,6 +292,7 @@ class Runtime(Loops):
         t0 = time.perf_counter()
         with self.watchdog.phase(Phase.CHECKPOINT):
             self.checkpoints.save(self.state, self.step, blocking=blocking)
+        self._carried.at_save(self.state.model, self.step)  # the first save only
         if sync:  # what a final save on preemption will take
             self.preemption.note_save(time.perf_counter() - t0)
 
