@@ -221,7 +221,9 @@ class Runtime(Loops):
             shield_workers(loader, parse_signals(",".join(self.config.preempt.signals)))
             per_rank["loader"] = self._batches
             # world-size-independent position + global batch, for elastic resume
-            self._data = DataPosition(self._batches, self.layout, self.rank, global_batch_size)
+            self._data = DataPosition(
+                self._batches, self.layout, self.rank, global_batch_size, self.config.batch_policy
+            )
             common["__data__"] = self._data
         per_rank["__loss_mean__"] = self.numeric.loss_mean  # spike detection's running mean
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
