@@ -1,12 +1,14 @@
-"""A global batch for every world size of --nnodes MIN:MAX (issue 49): three launchers on one
-host with --nnodes 2:3 and the rendezvous store apart (`resilient rendezvous`); the first
-launcher's whole tree is SIGKILLed mid-run. The two survivors re-form on 2 ranks, where the
-loader's 4 samples a rank cannot split the global batch of 12, and finish with exit 0 under
-each batch policy:
+"""A global batch for every world size of --nnodes MIN:MAX (issue 49): N launchers on one host
+with --nnodes N-1:N and the rendezvous store apart (`resilient rendezvous`); the first
+launcher's whole tree is SIGKILLed mid-run. The survivors re-form on N-1 ranks and finish with
+exit 0. Three launchers of 4 samples a rank (12), where 2 ranks of 4 cannot split 12, under
+each batch policy (in CI):
 
 - exact: 2 micro-batches of 3 per rank, 12 samples every step, as an undisturbed run;
 - follow: the per-rank batch kept, 8 samples a step from the change on, said in one event.
 
+In `make soak` (extended): 4 launchers of 6 (24) to 3 (exact: 2 micro-batches of 4), and 2 to
+1, the case that worked before, for the time from the kill to the next step side by side.
 Every step's samples are checked against the sampler's order: no sample skipped or seen twice.
 """
 
@@ -36,7 +38,6 @@ from helpers import (
 from recipes.common.data import build_dataset
 
 STEPS = 24
-BATCH = 4  # per rank: 12 on 3 ranks, which 2 ranks of 4 cannot split
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -44,9 +45,11 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
         return spawn(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _launcher(tmp: Path, name: str, port: int, policy: str) -> subprocess.Popen[bytes]:
+def _launcher(
+    tmp: Path, name: str, port: int, policy: str, nodes: int, batch: int
+) -> subprocess.Popen[bytes]:
     cmd = run_cmd(
-        "--nnodes=2:3",
+        f"--nnodes={nodes - 1}:{nodes}",
         "--nproc-per-node=1",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-external",
@@ -56,7 +59,7 @@ def _launcher(tmp: Path, name: str, port: int, policy: str) -> subprocess.Popen[
         f"--run-dir={tmp / ('run' + name)}",
         f"--checkpoint-url={tmp / 'ckpt'}",
         f"--batch-policy={policy}",
-        f"--per-rank-batch={BATCH}",
+        f"--per-rank-batch={batch}",
         "--restart-backoff=0.2",
         "--restart-jitter=0",
         "--no-health-check",
@@ -66,7 +69,7 @@ def _launcher(tmp: Path, name: str, port: int, policy: str) -> subprocess.Popen[
         f"--steps={STEPS}",
         "--save-every=4",
         "--sleep=0.3",
-        f"--batch={BATCH}",
+        f"--batch={batch}",
         '--watchdog={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3, '
         '"timeout_s": 30, "startup_timeout_s": 60}',
     )
@@ -90,16 +93,26 @@ def _samples(rec: Path) -> list[tuple[int, int, int]]:
     return shape
 
 
+CASES = [
+    # nodes, policy, per-rank batch, (world, micro-batches, samples) of each step after the loss
+    pytest.param(3, "exact", 4, (2, 2, 12), id="3to2-exact"),
+    pytest.param(3, "follow", 4, (2, 1, 8), id="3to2-follow"),
+    pytest.param(4, "exact", 6, (3, 2, 24), id="4to3-exact", marks=pytest.mark.extended),
+    pytest.param(2, "exact", 4, (1, 2, 8), id="2to1-before", marks=pytest.mark.extended),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("policy", ["exact", "follow"])  # 20 s each, quiet
-def test_three_launchers_lose_the_first_and_two_finish_under_each_policy(
-    tmp_path: Path, policy: str
+@pytest.mark.parametrize(("nodes", "policy", "batch", "after"), CASES)
+def test_launchers_lose_the_first_and_the_others_finish_under_each_policy(
+    tmp_path: Path, nodes: int, policy: str, batch: int, after: tuple[int, int, int]
 ) -> None:
     t0 = time.monotonic()
     port = free_port()
     rec, ckpt = tmp_path / "rec", tmp_path / "ckpt"
     procs: list[subprocess.Popen[Any]] = []
+    names = "ABCD"[:nodes]
 
     def log(name: str, tail: int = 4000) -> str:
         return (tmp_path / f"{name}.log").read_text(errors="replace")[-tail:]
@@ -107,6 +120,9 @@ def test_three_launchers_lose_the_first_and_two_finish_under_each_policy(
     def committed() -> int:
         done = [int(d.name[5:]) for d in ckpt.glob("step_*") if (d / "manifest.json").exists()]
         return max(done, default=-1)
+
+    def at(world: int) -> list[dict[str, Any]]:
+        return [r for r in records(rec) if r["world"] == world and r["rank"] == 0]
 
     try:
         store_log = tmp_path / "store.jsonl"
@@ -117,13 +133,13 @@ def test_three_launchers_lose_the_first_and_two_finish_under_each_policy(
             timeout=60,
             what="resilient rendezvous serving",
         )
-        agents = [_launcher(tmp_path, name, port, policy) for name in "ABC"]
+        agents = [_launcher(tmp_path, n, port, policy, nodes, batch) for n in names]
         procs += agents
-        three = lambda: [r for r in records(rec) if r["world"] == 3 and r["rank"] == 0]  # noqa: E731
-        wait_for(lambda: len(three()) >= 2 and committed() >= 4, timeout=240, what="3 ranks")
+        wait_for(lambda: len(at(nodes)) >= 2 and committed() >= 4, timeout=240, what="every node")
+        killed = time.time()
         kill_tree(agents[0].pid, groups=(agents[0].pid,))  # A: its agent and its worker
-        for i in (1, 2):
-            assert agents[i].wait(timeout=240) == 0, log("ABC"[i])
+        for i in range(1, nodes):
+            assert agents[i].wait(timeout=240) == 0, log(names[i])
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -131,22 +147,30 @@ def test_three_launchers_lose_the_first_and_two_finish_under_each_policy(
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
             kill_tree(p.pid, groups=(p.pid,))
+    next_step = min(r["t"] for r in at(nodes - 1)) - killed
     shape = _samples(rec)
-    assert shape[0] == (3, 1, 12) and shape[-1][0] == 2, shape
-    two = {s for s in shape if s[0] == 2}
-    survivors = [tmp_path / "runB", tmp_path / "runC"]
-    if policy == "exact":
-        assert two == {(2, 2, 12)}  # 2 micro-batches of 3 a rank: the global batch kept
+    assert shape[0] == (nodes, 1, batch * nodes) and shape[-1][0] == nodes - 1, shape
+    assert {s for s in shape if s[0] == nodes - 1} == {after}, shape
+    survivors = [tmp_path / f"run{n}" for n in names[1:]]
+    table = log("B", 0)
+    whole = f"{nodes} node(s), {nodes} data-parallel rank(s): kept: 1 micro-batch(es) of {batch}"
+    assert whole in table, table[:3000]
+    world, accum, samples = after
+    if samples == batch * nodes and accum * world * batch != samples:  # exact, smaller parts
         said = [e for r in survivors for e in run_events(r, "data.batch_exact")]
-        assert said and {(e["micro_batch"], e["grad_accum"]) for e in said} == {(3, 2)}
+        micro = samples // world // accum
+        assert said and {(e["micro_batch"], e["grad_accum"]) for e in said} == {(micro, accum)}
         assert all(e["bitwise"] is False and "bits differ" in e["reason"] for e in said)
-        assert "kept exactly: 2 micro-batch(es) of 3 per rank" in log("B", 0)
-    else:
-        assert two == {(2, 1, 8)}  # the per-rank batch kept: the global batch follows
+        assert f"kept exactly: {accum} micro-batch(es) of {micro} per rank" in table
+    elif samples != batch * nodes:  # the global batch followed the world
         said = [e for r in survivors for e in run_events(r, "data.batch_follows")]
-        assert said and {(e["old_global_batch"], e["new_global_batch"]) for e in said} == {(12, 8)}
+        assert {(e["old_global_batch"], e["new_global_batch"]) for e in said} == {
+            (batch * nodes, samples)
+        }
         assert len([e for e in said if e["rank"] == 0]) == 1  # one event, not one per step
-        assert "follows the world: global batch 8" in log("B", 0)
-    assert "3 node(s), 3 data-parallel rank(s): kept: 1 micro-batch(es) of 4" in log("B", 0)
+        assert f"follows the world: global batch {samples}" in table
     assert not [e for r in survivors for e in run_events(r, "restart.mismatch")]  # never 80
-    print(f"three launchers, first killed, {policy}: {time.monotonic() - t0:.1f} s")
+    print(
+        f"{nodes} launchers to {nodes - 1}, {policy}: kill to the next step {next_step:.1f} s, "
+        f"{time.monotonic() - t0:.1f} s in all"
+    )
