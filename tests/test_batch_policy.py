@@ -93,6 +93,43 @@ def _samples(rec: Path) -> list[tuple[int, int, int]]:
     return shape
 
 
+def _flags(**kw: Any) -> Any:
+    import argparse
+
+    base = {"batch_policy": None, "per_rank_batch": None, "global_batch": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.timeout(30)
+def test_the_start_up_table_says_what_it_knows_and_what_it_assumes(tmp_path: Path) -> None:
+    from resilient.supervisor.batchplan import plan
+
+    lines, fields = plan(_flags(), 2, 4, 8, str(tmp_path))
+    assert len(lines) == 1 and "not known before the workers start" in lines[0]
+    assert "--per-rank-batch" in lines[0] and "never exit 80" in lines[0]
+    assert fields["per_rank_batch"] is None
+    lines, fields = plan(_flags(per_rank_batch=8), 2, 4, 8, str(tmp_path))
+    assert "global batch 256 (8 per rank x 32 ranks, assumed" in lines[0]
+    assert fields["nodes"]["4"]["how"] == "kept" and fields["nodes"]["2"]["accum"] == 2
+    assert fields["nodes"]["3"]["how"] == "follows"  # 256 has no equal shares on 24 ranks
+    lines, _ = plan(_flags(per_rank_batch=8, batch_policy="follow"), 2, 3, 1, str(tmp_path))
+    assert lines[1].endswith(
+        "follows the world: global batch 16 (batch policy follow: the per-rank batch 8 is kept)"
+    ), lines
+    # a requeue: what the workers of the last attempt logged, a mesh's dp share included
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.jsonl").write_text(
+        '{"event": "data.batch", "global_batch": 24, "per_rank_batch": 4, "dp": 3, '
+        '"world_size": 6, "rank": 0}\n'
+    )
+    lines, fields = plan(_flags(), 2, 3, 2, str(tmp_path))
+    assert "global batch 24 (the run's last attempt)" in lines[0], lines
+    assert "2 node(s), 2 data-parallel rank(s): kept: 3 micro-batch(es) of 4" in lines[1]
+    lines, _ = plan(_flags(global_batch=40), 2, 3, 2, str(tmp_path))
+    assert "global batch 40 (--global-batch)" in lines[0]
+
+
 CASES = [
     # nodes, policy, per-rank batch, (world, micro-batches, samples) of each step after the loss
     pytest.param(3, "exact", 4, (2, 2, 12), id="3to2-exact"),

@@ -55,8 +55,7 @@ def _logged(run_dir: str) -> dict[str, Any] | None:
     """The newest batch event rank 0 logged in `run_dir` (an earlier attempt of this run)."""
     if not (Path(run_dir) / "logs").is_dir():
         return None
-    found = [e for e in ev.read_events(run_dir, rank=0) if e.get("event") in BATCH_EVENTS]
-    return found[-1] if found else None
+    return ev.latest_event(run_dir, BATCH_EVENTS, rank=0)
 
 
 def plan(
