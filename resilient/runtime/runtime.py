@@ -307,14 +307,18 @@ class Runtime(Loops):
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step that keep the global batch on this data-parallel
         degree (1 unless the run resumed on fewer data-parallel ranks, or track() got a
-        global_batch_size). Read it inside the loop: it is known once steps() resumed."""
+        global_batch_size). Where the loader's batch cannot split it, the batch policy
+        decides: smaller micro-batches ("exact") or a global batch that follows the world
+        ("follow"; docs/operating.md#batch-policy). Read it inside the loop: it is known once
+        steps() resumed."""
         if not self._resumed:
             self.resume()
         return self._data.grad_accum if self._data is not None else 1
 
     @property
     def global_batch_size(self) -> int | None:
-        return self._data.global_batch if self._data is not None else None
+        """The global batch the steps train on now (it follows the world under "follow")."""
+        return self._data.effective_batch if self._data is not None else None
 
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""
