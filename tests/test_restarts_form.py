@@ -15,9 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT, Launcher, run_cmd
 
 from resilient.exitcodes import ExitCode
-from tests.helpers import Launcher, run_cmd
 
 # the 8-line script of a user, plus a record of each attempt's formed group and a kill
 _PLAIN = textwrap.dedent(
@@ -68,4 +68,39 @@ def test_a_script_that_makes_its_own_group_forms_after_every_kill(
         (a, r) for a in range(kills + 1) for r in (0, 1)
     ]
     assert {r["sum"] for r in formed} == {2.0}
+    assert "connectFullMesh" not in err and "Connection refused" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_script_forms_after_every_kill(tmp_path: Path, launcher: Launcher) -> None:
+    """The same for a framework script: recipes/train_hf.py (Accelerate makes its process
+    group in TrainingArguments, before the runtime starts) with rank 1 SIGKILLed in 10
+    attempts in a row, at its 5th step, before any checkpoint: each restart forms and the
+    11th attempt finishes."""
+    pytest.importorskip("transformers")
+    kills = 10
+    faults = [f"kill@rank=1,step=5,restart={k}" for k in range(kills)]
+    code, _, err = launcher.run(
+        run_cmd(
+            "--nproc-per-node=2",
+            f"--run-dir={tmp_path / 'run'}",
+            f"--checkpoint-url={tmp_path / 'ckpt'}",
+            f"--max-restarts={kills + 2}",
+            f"--crash-loop-restarts={kills + 2}",  # no checkpoint before step 5: no progress
+            "--restart-backoff=0",
+            "--restart-jitter=0",
+            "-m",
+            "chaos.inject",
+            *[a for f in faults for a in ("--fault", f)],
+            "--",
+            str(REPO_ROOT / "recipes" / "train_hf.py"),
+            f"--out={tmp_path}",
+            "--steps=20",
+        ),
+        timeout=380,
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    assert err.count("chaos.fault") == kills
+    assert (tmp_path / "digest.txt").read_text().startswith("20 ")
     assert "connectFullMesh" not in err and "Connection refused" not in err

@@ -121,6 +121,12 @@ class ResumableBatches:
             gen.set_state(state)
         self._generator_state = None
 
+    def taken_in_epoch(self) -> int:
+        """Batches this rank took from the current epoch so far (after a resume, those of
+        the stopped run included)."""
+        batch_size = getattr(self.loader, "batch_size", None)
+        return (self._start // batch_size if batch_size else self._start) + self._taken
+
     def end_epoch(self) -> None:
         """Leave the current epoch (whatever is left of it); the next batch starts the next."""
         self.epoch += 1

@@ -139,7 +139,8 @@ class SupervisedAgent(ElasticAgentBase):
                 # what a script's own init_process_group("gloo") connects to: the round's
                 # fresh store, not torch's shared one, which keeps the last attempt's keys
                 host, port = store_addr.rsplit(":", 1)
-                worker_group.master_addr, worker_group.master_port = host, int(port)
+                worker_group.master_addr = host  # type: ignore[assignment]
+                worker_group.master_port = int(port)  # type: ignore[assignment]
         else:
             os.environ.pop(ENV_STORE, None)
         self._roots = {}
