@@ -243,6 +243,15 @@ def test_grads_zeroed_at_the_start_of_a_step_are_not_carried() -> None:
         assert [e["event"] for e in log.events] == (["grads.carried"] if warned else [])
         if warned:
             assert log.events[0]["step"] == 1 and log.events[0]["held"] == 2
+    # a save before any backward finds no .grad and looks again at the next one
+    model = torch.nn.Linear(3, 1)
+    log = _Log()
+    carried = CarriedGrads(log)
+    carried.at_save(model, 0)
+    for step in range(2):
+        model(torch.ones(2, 3)).sum().backward()
+        carried.at_save(model, step + 1)
+    assert [(e["event"], e["step"]) for e in log.events] == [("grads.carried", 1)]
 
 
 @pytest.mark.slow

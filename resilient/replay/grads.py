@@ -6,11 +6,11 @@ start of the next step) loses nothing; a loop that never calls `zero_grad()` add
 gradients to the last one's, and a resumed run starts that sum from zero: it trains on other
 gradients from its first step on.
 
-At the first save the parameters' `.grad` are looked at. If one holds non-zero values at that
-step boundary, a one-shot hook on it looks again when the next backward reaches it, before the
-new gradient is added: still non-zero there means the loop carried it into the step (a loop
-that zeroes at the start of a step has zeroed it by then), and `grads.carried` is logged once,
-as a warning. `resilient check-resume` names it as the likely cause of a divergence.
+At the first save after a backward (the first that finds a `.grad` at all) the parameters'
+`.grad` are looked at. If one holds non-zero values at that step boundary, a one-shot hook on
+it looks again when the next backward reaches it, before the new gradient is added: still
+non-zero there means the loop carried it into the step (a loop that zeroes at the start of a
+step has zeroed it by then), and `grads.carried` is logged once, as a warning. `resilient check-resume` names it as the likely cause of a divergence.
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ class CarriedGrads:
     def at_save(self, model: nn.Module | None, step: int) -> None:
         if self._looked or model is None:
             return
+        grads = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+        if not grads:  # none yet (a save before any step), or set to None: the next save
+            return
         self._looked = True
-        held = [(n, p) for n, p in model.named_parameters() if _nonzero(p.grad)]
+        held = [(n, p) for n, p in grads if _nonzero(p.grad)]
         if not held:
             return
         name, param = held[0]
