@@ -10,7 +10,8 @@ At the first save after a backward (the first that finds a `.grad` at all) the p
 `.grad` are looked at. If one holds non-zero values at that step boundary, a one-shot hook on
 it looks again when the next backward reaches it, before the new gradient is added: still
 non-zero there means the loop carried it into the step (a loop that zeroes at the start of a
-step has zeroed it by then), and `grads.carried` is logged once, as a warning. `resilient check-resume` names it as the likely cause of a divergence.
+step has zeroed it by then), and `grads.carried` is logged once, as a warning. `resilient
+check-resume` names it as the likely cause of a divergence.
 """
 
 from __future__ import annotations
