@@ -55,10 +55,21 @@ def test_expected_skips_pass_and_a_machine_may_name_its_own(tmp_path: Path) -> N
     assert rc == 0 and "unexpected skips" not in out, out
 
 
+TOOLS = ("id", "mktemp", "rm", "tail", "head", "chmod", "cat")
+"""What scripts/ensure_etcd.sh and the fake apt-get run, linked into the fake bin: PATH holds
+nothing else, so a real etcd or apt-get on this machine cannot answer."""
+
+
 def _fake_bin(tmp: Path) -> Path:
     """A bin directory whose apt-get records its arguments and installs a fake etcd."""
+    import shutil
+
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        assert found, tool
+        (bin_dir / tool).symlink_to(found)
     apt = bin_dir / "apt-get"
     apt.write_text(
         "#!/bin/sh\n"
@@ -74,10 +85,9 @@ def _fake_bin(tmp: Path) -> Path:
 @pytest.mark.timeout(60)
 def test_ensure_etcd_installs_etcd_server_when_missing_and_allowed(tmp_path: Path) -> None:
     bin_dir = _fake_bin(tmp_path)
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "ETCD_APT_GET": "apt-get"}
-    done = subprocess.run(
-        ["bash", str(ENSURE)], capture_output=True, text=True, env=env, timeout=30
-    )
+    env = {**os.environ, "PATH": str(bin_dir), "ETCD_APT_GET": "apt-get"}
+    bash = "/bin/bash"
+    done = subprocess.run([bash, str(ENSURE)], capture_output=True, text=True, env=env, timeout=30)
     said = done.stdout + done.stderr
     if os.geteuid() != 0:  # not allowed here: it says so and changes nothing
         assert done.returncode == 0 and "cannot install etcd" in said, said
@@ -87,6 +97,6 @@ def test_ensure_etcd_installs_etcd_server_when_missing_and_allowed(tmp_path: Pat
     calls = (tmp_path / "apt.log").read_text().splitlines()
     assert any("install" in c and "etcd-server" in c for c in calls), calls
     assert (bin_dir / "etcd").exists() and "installed etcd" in said
-    again = subprocess.run(["bash", str(ENSURE)], capture_output=True, text=True, env=env)
+    again = subprocess.run([bash, str(ENSURE)], capture_output=True, text=True, env=env)
     assert again.returncode == 0 and "etcd is here" in again.stdout  # nothing to do
     assert len((tmp_path / "apt.log").read_text().splitlines()) == len(calls)
