@@ -130,6 +130,37 @@ def test_the_start_up_table_says_what_it_knows_and_what_it_assumes(tmp_path: Pat
     assert "global batch 40 (--global-batch)" in lines[0]
 
 
+@pytest.mark.timeout(30)
+def test_the_batch_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    from resilient.supervisor.config import UsageError, parse_command_line
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    _, args = parse_command_line(["--batch-policy=follow", "--per-rank-batch=8", str(script)])
+    assert (args.batch_policy, args.per_rank_batch, args.global_batch) == ("follow", 8, None)
+    with pytest.raises(UsageError, match="--per-rank-batch must be >= 1"):
+        parse_command_line(["--per-rank-batch=0", str(script)])
+    with pytest.raises(UsageError, match="--global-batch must be >= 1"):
+        parse_command_line(["--global-batch=-3", str(script)])
+    with pytest.raises(SystemExit):  # argparse's own choices: exit 2, nothing started
+        parse_command_line(["--batch-policy=fast", str(script)])
+
+
+def test_a_worker_refuses_an_unknown_batch_policy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from resilient.errors import ConfigError
+    from resilient.runtime.config import build_config
+
+    monkeypatch.setenv("RESILIENT_BATCH_POLICY", "follow")
+    assert build_config(str(tmp_path), {}).batch_policy == "follow"
+    assert build_config(str(tmp_path), {"batch_policy": "exact"}).batch_policy == "exact"
+    monkeypatch.delenv("RESILIENT_BATCH_POLICY")
+    assert build_config(str(tmp_path), {}).batch_policy == "exact"
+    with pytest.raises(ConfigError, match="batch_policy must be one of exact, follow"):
+        build_config(str(tmp_path), {"batch_policy": "fast"})
+
+
 CASES = [
     # nodes, policy, per-rank batch, (world, micro-batches, samples) of each step after the loss
     pytest.param(3, "exact", 4, (2, 2, 12), id="3to2-exact"),
