@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from resilient.envvars import ENV_GENERATION
+from resilient.envvars import ENV_GENERATION, HotMode
 from resilient.groups.exits import exit_past_teardown
 from resilient.groups.groups import left_generations_behind
 from resilient.hot import carry, reform
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
     gc.freeze()
     while True:
         # a script that makes its own process group gets a fresh store in each hot generation
-        point_at_generation_store(int(os.environ.get(ENV_GENERATION) or 0))
+        point_at_generation_store(HotMode.from_env().generation)
         try:
             _run(list(argv))
         except HotRestart:

@@ -54,7 +54,9 @@ _KILLING = textwrap.dedent(
 )
 
 
-def run(out: Path, *, plain: bool, kill_at: int | None, steps: int) -> dict[str, object]:
+def run(
+    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int
+) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     script = [str(RECIPE)]
@@ -67,7 +69,8 @@ def run(out: Path, *, plain: bool, kill_at: int | None, steps: int) -> dict[str,
         sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node=2",
         f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
         "--restart-backoff=0", "--restart-jitter=0",
-        *script, f"--out={out}", f"--steps={steps}", *(["--plain"] if plain else []),
+        *script, f"--out={out}", f"--steps={steps}", f"--samples={samples}",
+        *(["--plain"] if plain else []),
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -91,6 +94,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--kill-at", type=int, default=30)
+    p.add_argument(
+        "--samples", type=int, default=4096, help="dataset size: 4096 is 512 steps an epoch"
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench-output" / "hf")
     a = p.parse_args()
     rows: dict[str, list[dict[str, object]]] = {}
@@ -100,7 +106,9 @@ def main() -> None:
                 key = f"{name}/{'kill' if kill else 'clean'}"
                 out = a.out / f"{key.replace('/', '-')}-{i}"
                 subprocess.run(["rm", "-rf", str(out)], check=True)
-                rows.setdefault(key, []).append(run(out, plain=plain, kill_at=kill, steps=a.steps))
+                rows.setdefault(key, []).append(
+                    run(out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples)
+                )
                 print(key, i, rows[key][-1], file=sys.stderr, flush=True)
 
     def med(key: str, field: str) -> float:

@@ -26,9 +26,18 @@ def instrument(
         from torch.distributed.fsdp import FSDPModule
 
         sharded = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
-        handles.append(model.register_forward_pre_hook(lambda *_: p.enter(Phase.FORWARD)))
+
+        def before_forward(*_: Any) -> None:
+            if p.phase is Phase.EVAL:  # an evaluation's forwards: it keeps its own phase
+                p.tick()
+            else:
+                p.enter(Phase.FORWARD)
+
+        handles.append(model.register_forward_pre_hook(before_forward))
 
         def after_forward(_m: nn.Module, _args: Any, output: Any) -> None:
+            if p.phase is Phase.EVAL:
+                return
             p.enter(Phase.BACKWARD)
             if sharded:  # the gradient reaching the output: past it before any gather
                 for t in _tensors(output):

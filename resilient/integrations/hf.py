@@ -194,6 +194,11 @@ class Trainer(transformers.Trainer):
             self.store_flos()
             self._loop.save()
 
+    def evaluate(self, *args: Any, **kw: Any) -> Any:
+        # in phase `eval`, with its own timeout, not the forward phase of a training step
+        with self.rt.phase("eval"):
+            return super().evaluate(*args, **kw)
+
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
         out = super().compute_loss(model, inputs, *args, **kw)
         # before its backward: the non-finite check rides DDP's all-reduce (no collective of

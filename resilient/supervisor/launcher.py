@@ -108,6 +108,7 @@ def _launch(
         preempt_signals=sup.cfg.signals(),
         hot_max=sup.cfg.hot_max,
         gate=gate,
+        start_timeout_s=sup.cfg.start_timeout_s,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
