@@ -238,6 +238,7 @@ def test_launchers_lose_the_first_and_the_others_finish_under_each_policy(
         assert len([e for e in said if e["rank"] == 0]) == 1  # one event, not one per step
         assert f"follows the world: global batch {samples}" in table
     assert not [e for r in survivors for e in run_events(r, "restart.mismatch")]  # never 80
+    assert not [e for r in survivors for e in run_events(r, "data.accum_ignored")]
     print(
         f"{nodes} launchers to {nodes - 1}, {policy}: kill to the next step {next_step:.1f} s, "
         f"{time.monotonic() - t0:.1f} s in all"

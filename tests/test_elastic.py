@@ -198,6 +198,32 @@ def test_a_global_batch_the_loaders_batch_cannot_split_goes_on_under_either_poli
     assert (pos.micro, pos.grad_accum, pos.effective_batch) == (2, 5, 10)
 
 
+def test_a_loop_that_ignores_grad_accum_is_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resilient.data.position as position
+
+    said: list[tuple[str, dict[str, Any]]] = []
+
+    class Log:
+        def info(self, event: str, **kw: Any) -> None:
+            pass
+
+        def warning(self, event: str, **kw: Any) -> None:
+            said.append((event, kw))
+
+    monkeypatch.setattr(position, "get_logger", lambda: Log())
+    (c,) = _rank_batches(_dataset(), 1, 3)
+    pos = DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=8)
+    assert (pos.micro, pos.grad_accum) == (2, 4)
+    said.clear()
+    for step in range(3):
+        for _ in range(pos.grad_accum if step == 0 else 1):
+            next(c)
+        pos.step_end(step)
+    assert [e for e, _ in said] == ["data.accum_ignored"]  # step 1, once
+    assert said[0][1]["step"] == 1 and said[0][1]["trained_on"] == 2
+    assert "range(rt.grad_accum)" in said[0][1]["reason"]
+
+
 def test_split_batch_under_each_policy() -> None:
     from resilient.data.policy import split_batch
 

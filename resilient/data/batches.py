@@ -42,6 +42,8 @@ class ResumableBatches:
         """The loader state loaded but not yet resumed (no batch drawn since the load)."""
         self._micro: int | None = None
         """The batch size the batch sampler was set to (batch policy "exact"), if another."""
+        self.drawn = 0
+        """Batches handed out by this process (never saved): DataPosition counts them a step."""
 
     @property
     def batch_size(self) -> int | None:
@@ -105,6 +107,7 @@ class ResumableBatches:
             raise
         self._restore_generator()
         self._taken += 1
+        self.drawn += 1
         return batch
 
     def _generator(self) -> torch.Generator | None:

@@ -60,6 +60,7 @@ class DataPosition:
         self.micro = self.per_rank_batch
         """Samples per micro-batch on each rank now."""
         self._loaded: dict[str, Any] | None = None
+        self._drawn, self._told = batches.drawn, False
         self.grad_accum = self._accum(self.global_batch)
 
     def _where(self) -> str:
@@ -122,6 +123,27 @@ class DataPosition:
                 reason=split.reason,
             )
         return split.accum
+
+    def step_end(self, step: int) -> None:
+        """After each step: one warning (`data.accum_ignored`) when the loop took some of the
+        tracked loader's batches, but fewer than `grad_accum`: it does not loop over
+        rt.grad_accum, so the global batch is not kept (the data position still is)."""
+        drawn, self._drawn = self.batches.drawn - self._drawn, self.batches.drawn
+        if self._told or not 0 < drawn < self.grad_accum:
+            return
+        self._told = True
+        get_logger().warning(
+            "data.accum_ignored",
+            step=step,
+            batches=drawn,
+            grad_accum=self.grad_accum,
+            global_batch=self.effective_batch,
+            trained_on=drawn * self.micro * self.dp,
+            reason=f"step {step} took {drawn} of the {self.grad_accum} batches rt.grad_accum "
+            f"asks for: it trained on {drawn * self.micro * self.dp} samples, not the global "
+            f"batch of {self.effective_batch}. Loop `for _ in range(rt.grad_accum)` over "
+            "next(batches) (docs/porting.md#elastic-world-size)",
+        )
 
     # ------------------------------------------------------------------ Stateful
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ BATCH_EVENTS = ("data.batch", "data.batch_exact", "data.batch_follows")
 
 
 def add_batch_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("global batch (docs/operating.md#elastic-world-size)")
+    g = parser.add_argument_group("global batch (docs/operating.md#batch-policy)")
     g.add_argument(
         "--batch-policy",
         choices=BATCH_POLICIES,
