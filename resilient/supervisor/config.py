@@ -31,6 +31,7 @@ from resilient.envvars import (
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import get_args_parser, parse_min_max_nnodes
+from resilient.supervisor.batchplan import add_batch_flags
 from resilient.supervisor.opsflags import OpsConfig, add_ops_flags, ops_config
 from resilient.supervisor.policy import RestartPolicy
 
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         "watchdog, such as a framework's init_process_group (default: off)",
     )
     add_ops_flags(parser)
+    add_batch_flags(parser)
     return parser
 
 
@@ -225,6 +227,9 @@ def parse_command_line(
         raise UsageError(f"--start-timeout must be > 0 seconds, got {args.start_timeout}")
     if args.hot_recovery and args.no_python:
         raise UsageError("--hot-recovery re-runs a Python script in place: not with --no-python")
+    for flag in ("per_rank_batch", "global_batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.hot_max < 1:
         raise UsageError(f"--hot-max must be >= 1, got {args.hot_max}")
     if args.max_restarts < 0:
