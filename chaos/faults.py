@@ -17,6 +17,9 @@ A fault spec is `KIND@key=value,...`:
     oom_exit@rank=1,step=5,phase=forward     exit at once with the OOM exit code (a lost
                                              process, not an exception)
     slow@rank=2,phase=forward,seconds=0.2    sleep that long every step (a straggler)
+    spin@rank=1,step=40,phase=forward        busy-loop in Python for ever (or `seconds`):
+                                             a stall holding the GIL but for the
+                                             interpreter's switch interval
     nan@rank=1,step=6,phase=forward          the model's output (so its loss) is NaN in
                                              this forward, once: a NaN loss on one rank
     spike@rank=0,step=9,phase=forward,factor=50   the output scaled by `factor`, once
@@ -33,7 +36,7 @@ this many matches pass first, e.g. skip=1 with phase=backward hits the second en
 step, after the guard's agreement), restart (the TORCHELASTIC_RESTART_COUNT it fires in;
 default 0 so a restarted group runs clean; `any` for every attempt), generation (the
 RESILIENT_GENERATION it fires in, default 0: a hot recovery's replacement and re-run
-survivors run clean; `any` for every one), seconds (for slow and
+survivors run clean; `any` for every one), seconds (for slow, spin and
 hang). A fault's first firing prints one `chaos.fault {json}` line to stderr (kind, rank,
 step, phase, wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as
 the chaos runner does for the faults it sends from outside, so `resilient report` sees both.
@@ -66,6 +69,7 @@ KINDS = {
     "kill": "SIGKILL this process",
     "oom_exit": "os._exit(ExitCode.OOM): the process is gone, as after the OOM killer",
     "slow": "sleep `seconds` (default 0.1) each time",
+    "spin": "busy-loop in Python (forever, or `seconds`): a stall that competes for the GIL",
     "nan": "the tracked model's output becomes NaN in this forward (phase forward)",
     "spike": "the tracked model's output is scaled by `factor` in this forward",
     "bad_batch": "nan (or spike, with factor) whenever the step runs, every attempt",
@@ -140,6 +144,10 @@ class Fault:
             deadline = time.monotonic() + (self.seconds if self.seconds is not None else 1e9)
             while time.monotonic() < deadline:  # time.sleep releases the GIL: heartbeats go on
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        elif self.kind == "spin":
+            deadline = time.monotonic() + (self.seconds if self.seconds is not None else 1e9)
+            while time.monotonic() < deadline:
+                sum(range(1000))
         elif self.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "kill":

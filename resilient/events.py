@@ -32,6 +32,7 @@ __all__ = [
     "EXPORT_VERIFIED",
     "GRADS_CARRIED",
     "HANG_DETECTED",
+    "HANG_TIMEOUTS",
     "HEALTH_CHECK",
     "HEALTH_DONE",
     "NODE_EXCLUDED",
@@ -118,6 +119,10 @@ EXPORT_FAILED = "export.failed"
 """An export stopped with nothing under its final name: error."""
 # faults, detection and preemption
 HANG_DETECTED = "hang.detected"
+HANG_TIMEOUTS = "hang.timeouts"
+"""Rank 0's watchdog, when the agreed learned timeouts change (by over 10 %): timeouts_s
+{phase: seconds} (hang/learned.py), and the phases `phase_timeouts_s` pins (never learned);
+the live metrics export them."""
 WORKER_FAILED = "worker.failed"
 PREEMPT_STOP = "preempt.stop"
 PREEMPT_EXIT = "preempt.exit"

@@ -39,6 +39,8 @@ WATCHDOG = "watchdog"
 """Under a generation's prefix: the watchdog's keys (its own PrefixStore)."""
 VERDICT = "verdict"
 """Inside the watchdog's prefix: the group's verdict."""
+CLAIM = "claim"
+"""Inside the watchdog's prefix: a counter; who adds the first 1 writes the verdict."""
 LEFT = "left"
 """Inside the watchdog's prefix: one JSON line per survivor that left the generation for the
 next one (its rank and its connections' local endpoints), appended."""
@@ -70,9 +72,23 @@ def meta(rank: int) -> str:
     return f"meta/{rank}"
 
 
+def learned(rank: int) -> str:
+    """Inside the watchdog's prefix: rank's learned timeouts (hang/learned.py)."""
+    return f"learned/{rank}"
+
+
+LEARNED_AGREED = "learned/agreed"
+"""Inside the watchdog's prefix: the learned timeouts every rank agreed on (rank 0 sets it)."""
+
+
+def watchdog_prefix(attempt: str, generation: int) -> str:
+    """The watchdog's prefix as seen from the base store."""
+    return f"{worker_prefix(attempt, generation)}/{WATCHDOG}"
+
+
 def watchdog_key(attempt: str, generation: int, key: str) -> str:
     """A watchdog key (heartbeat(), meta(), VERDICT) as seen from the base store."""
-    return f"{worker_prefix(attempt, generation)}/{WATCHDOG}/{key}"
+    return f"{watchdog_prefix(attempt, generation)}/{key}"
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,55 @@ def test_under_torchrun_a_hang_restarts_the_group(tmp_path: Path) -> None:
     assert "step 4 phase forward" in (run_dir / "stacks" / "rank2.txt").read_text()
     done = latest_event(run_dir, "runtime.done", rank=0)
     assert done is not None and done["restart"] == 1 and done["step"] == 8
+
+
+LEARN = {
+    "timeout_s": 60.0,
+    "startup_timeout_s": 90.0,
+    "checkpoint_timeout_s": 90.0,
+    "learn_warmup_steps": 5,
+    "learn_floor_s": 1.0,
+    "learn_factor": 4.0,
+}
+
+
+def test_a_stall_after_the_warm_up_is_named_in_the_learned_timeout(tmp_path: Path) -> None:
+    """Fixed timeout 60 s; after 5 warm steps the phases' timeouts are learned (the 1 s
+    floor here), agreed by every rank, and a sleeper is named in about that, saying so."""
+    codes, ranks = launch_ranks(
+        tmp_path, [PACE, "hang@rank=1,step=40,phase=forward"], "--steps", "60", watchdog=LEARN
+    )
+    run = tmp_path / "run"
+    assert codes == [ExitCode.HANG] * 3, codes
+    hang = only_event(run, "hang.detected")
+    assert hang["kind"] == "stalled" and hang["ranks"] == [1]
+    (named,) = hang["named"]
+    assert named["timeout_kind"] == "learned" and 1.0 <= named["timeout_s"] < 5, named
+    latency = timestamp(hang) - fault_time(ranks, 1, "hang")
+    assert latency < named["timeout_s"] + 0.25 + 2, latency  # not the fixed 60 s
+    learned = latest_event(run, "hang.timeouts", rank=0)
+    assert learned is not None and learned["timeouts_s"]["forward"] == 1.0
+
+
+@pytest.mark.extended  # 20 s; tests/test_learned.py checks the table's round trip in CI
+def test_a_resumed_group_judges_by_the_checkpoints_learned_timeouts(tmp_path: Path) -> None:
+    """The first run learns and saves at step 50; the resumed one, whose own warm-up (80
+    steps) is far off, names a stall 3 steps after its first with the checkpoint's table."""
+    codes, _ = launch_ranks(tmp_path, [PACE], "--steps", "90", "--stop-at", "50", watchdog=LEARN)
+    assert codes == [0, 0, 0], codes
+    saved = latest_event(tmp_path / "run", "hang.timeouts", rank=0)
+    assert saved is not None and saved["timeouts_s"]["forward"] == 1.0
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "ckpt").symlink_to(tmp_path / "ckpt")
+    codes, _ = launch_ranks(
+        again,
+        [PACE, "hang@rank=2,step=53,phase=forward"],
+        "--steps",
+        "90",
+        watchdog={**LEARN, "learn_warmup_steps": 80},
+    )
+    assert codes == [ExitCode.HANG] * 3, codes
+    (named,) = only_event(again / "run", "hang.detected")["named"]
+    assert (named["rank"], named["step"]) == (2, 53)
+    assert named["timeout_kind"] == "learned" and named["timeout_s"] == 1.0, named

@@ -255,10 +255,10 @@ def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
 ) -> None:
     """Rank 1's main thread sleeps in its forward at step 5 (hang), or the whole process is
     SIGSTOPped there (stop); rank 0 waits for it in the gradient all-reduce. The watchdog
-    names rank 1 (stalled past its phase timeout; silent and stopped) in a hot verdict: the
-    sleeping rank dumps its stacks and exits, the stopped one is SIGKILLed by rank 0, which
-    stays, meets the closed connection and goes hot with the replacement
-    (hang/verdict.py)."""
+    names the stalled rank 1 in a hot verdict, and the sleeping rank dumps its stacks and
+    exits (hang/verdict.py); the stopped one is named by its node's agent, which reads its
+    process state (supervisor/stopped.py) and SIGKILLs it. Rank 0 stays, meets the closed
+    connection and goes hot with the replacement."""
     code, err = _run(
         tmp_path,
         2,
@@ -273,8 +273,10 @@ def test_a_hung_rank_is_taken_out_alone_and_replaced_hot(
     assert hang["kind"] == ("stalled" if kind == "hang" else "no_heartbeat")
     if kind == "hang":  # the hung rank's own dump
         assert (tmp_path / "run" / "stacks" / "rank1.txt").exists()
-    (waited,) = _events(tmp_path, "recovery.hot.await")
-    assert waited["rank"] == 0
+        (waited,) = _events(tmp_path, "recovery.hot.await")
+        assert waited["rank"] == 0
+    else:  # its agent saw it stopped: rank 0 may meet the closed connection before the verdict
+        assert hang["by"] == "agent" and hang["named"][0]["state"] == "stopped", hang
     (replace,) = _events(tmp_path, "recovery.hot.replace")
     exit_code = int(ExitCode.HANG) if kind == "hang" else -9
     assert (replace["rank"], replace["exit_code"]) == (1, exit_code)
@@ -452,9 +454,10 @@ def test_a_survivor_stopped_on_its_way_into_the_new_generation_is_named_and_goes
     golden: dict[int, str], tmp_path: Path
 ) -> None:
     """3 ranks: rank 1 is killed at step 5; rank 2, a survivor, SIGSTOPs itself as it enters
-    generation 1 (before its process groups form, where no watchdog runs yet). Rank 0 and
-    the replacement wait at the roll call, find rank 2 stopped after the heartbeat timeout,
-    name it, kill it and go cold, instead of waiting in the process group's rendezvous for
+    generation 1 (before its process groups form, where no watchdog runs yet). Its agent
+    sees it stopped (supervisor/stopped.py), or rank 0 and the replacement, waiting at the
+    roll call, find it stopped after the heartbeat timeout: it is named and killed and the
+    generation goes cold, instead of waiting in the process group's rendezvous for
     pg_timeout_s (30 min). The group restarts cold and ends bitwise equal."""
     code, err = _run(
         tmp_path,
@@ -469,6 +472,7 @@ def test_a_survivor_stopped_on_its_way_into_the_new_generation_is_named_and_goes
     (detect,) = [e for e in _events(tmp_path, "recovery.hot.detect") if e["rank"] == 0]
     # rank 0 or the replacement, whichever looks first (the other may be stopped before)
     named = [e for e in _events(tmp_path, "recovery.cold") if "did not arrive" in e["reason"]]
+    named += [e for e in _events(tmp_path, "hang.detected") if e.get("by") == "agent"]
     assert named, _events(tmp_path, "recovery.cold")
     first = min(named, key=lambda e: e["ts"])
     assert first["named"][0]["rank"] == 2 and first["named"][0]["state"] == "stopped", first
@@ -551,19 +555,20 @@ def _run_two_hosts(
 def test_a_stopped_rank_on_another_host_is_killed_by_its_agent_and_replaced_hot(
     golden: dict[int, str], tmp_path: Path
 ) -> None:
-    """Rank 1, on host B, is SIGSTOPped in its forward at step 5. Rank 0's watchdog names it
-    silent in a hot verdict, but a process on another host is out of its reach: B's agent
-    reads the verdict in the store and kills its worker, then replaces it warm under the
-    generation it claims there. Rank 0 keeps its process; the run ends bitwise equal."""
+    """Rank 1, on host B, is SIGSTOPped in its forward at step 5. Rank 0 could name it only
+    silent, after the heartbeat timeout (another host's process is out of its reach); B's
+    agent reads its process state, names it stopped in a hot verdict within seconds and
+    kills it (supervisor/stopped.py), then replaces it warm under the generation it claims
+    there. Rank 0 keeps its process; the run ends bitwise equal."""
     runs, digest = _run_two_hosts(tmp_path, "stop@rank=1,step=5,phase=forward")
     assert digest == golden[2]
-    # not known to be stopped (another host): a lost peer, not a hang
-    (found,) = run_events(runs[0], "fault.detected")
-    assert (found["ranks"], found["hot"], found["kind"]) == ([1], True, "no_heartbeat"), found
+    assert not run_events(runs[0], "fault.detected")  # the agent on B came first
+    (found,) = run_events(runs[1], "hang.detected")
+    assert (found["ranks"], found["hot"], found["by"]) == ([1], True, "agent"), found
     assert found["named"][0]["host"] == "hot-host-b", found
-    assert found["named"][0]["state"].startswith("unknown"), found  # so rank 0 did not kill it
-    (kill,) = run_events(runs[1], "recovery.hot.kill")
-    assert (kill["rank"], kill["kind"], kill["generation"]) == (1, "no_heartbeat", 0), kill
+    assert found["named"][0]["state"] == "stopped", found
+    (kill,) = run_events(runs[1], "watchdog.killed")
+    assert (kill["rank"], kill["state"], kill["verdict"]) == (1, "stopped", True), kill
     (replace,) = run_events(runs[1], "recovery.hot.replace")
     assert (replace["rank"], replace["exit_code"], replace["generation"]) == (1, -9, 1)
     formed = [e for run in runs for e in run_events(run, "recovery.hot.formed")]
@@ -585,7 +590,7 @@ def test_survivors_stopped_on_another_host_on_their_way_in_are_killed_by_its_age
     survivors on host B, SIGSTOP themselves as they enter generation 1. The ranks on A
     cannot tell a stopped process on another host from a slow one (their roll call would
     wait startup_timeout_s), and no rank on B is left to look. B's agent can: it kills its
-    workers once stopped for the heartbeat timeout, the generation fails while forming, and
+    workers once stopped (supervisor/stopped.py), the generation fails while forming, and
     both nodes restart cold into the next round and end bitwise equal. (A's agent keeps its
     restart count on a membership change, so the kill fires again there and is recovered
     hot; B's faults fire in its first attempt only.)"""
@@ -602,10 +607,9 @@ def test_survivors_stopped_on_another_host_on_their_way_in_are_killed_by_its_age
     )
     assert digest == _digest(gold)
     # both, or the first one stopped (the second then goes with the node's cold restart)
-    kills = run_events(runs[1], "recovery.hot.kill")
-    assert kills and {(e["kind"], e["generation"]) for e in kills} == {("roll_call", 1)}, kills
+    kills = run_events(runs[1], "watchdog.killed")
+    assert kills and {e["state"] for e in kills} == {"stopped"}, kills
     assert {e["rank"] for e in kills} <= {2, 3}, kills
-    assert all(e["reason"].startswith("stopped for 3.") for e in kills), kills  # the timeout
     detect = min(
         (e for e in run_events(runs[0], "recovery.hot.detect") if e["rank"] == 0),
         key=lambda e: e["ts"],

@@ -36,7 +36,8 @@ class WatchdogConfig:
     """No heartbeat for this long: the rank's process is dead or stopped."""
     timeout_s: float = 300.0
     """Progress timeout of the training phases (data, forward, backward, optimizer, step,
-    agree): a live rank that stays this long in one of them is stalled."""
+    agree): a live rank that stays this long in one of them is stalled. With
+    `learn_timeouts`, the ceiling of their learned timeouts (the rule during the warm-up)."""
     startup_timeout_s: float = 900.0
     """Timeout of every phase until the first step of an attempt begins (process-group
     set-up, model build, checkpoint load)."""
@@ -49,7 +50,21 @@ class WatchdogConfig:
     checkpoint_timeout_s: float = 1800.0
     """Timeout of the checkpoint, eval and finish phases."""
     phase_timeouts_s: dict[str, float] = field(default_factory=dict)
-    """Per-phase overrides by name, e.g. {"eval": 3600}."""
+    """Per-phase overrides by name, e.g. {"eval": 3600}: pinned, never learned."""
+    learn_timeouts: bool = True
+    """Learn each training phase's timeout from the run (hang/learned.py): after
+    `learn_warmup_steps` steps, max(`learn_floor_s`, `learn_factor` x the phase's
+    `learn_quantile` duration), at most the fixed timeout (the ceiling). Checkpoint, eval,
+    finish, start-up, the first step of an attempt and pinned phases keep the fixed values."""
+    learn_warmup_steps: int = 20
+    """Steps of an attempt on every rank before learned timeouts replace the fixed ones
+    (a resumed run uses the checkpoint's learned values meanwhile, after its first step)."""
+    learn_factor: float = 10.0
+    """Learned timeout = this many times the phase's high-quantile duration (at least 2)."""
+    learn_floor_s: float = 5.0
+    """No learned timeout below this (at least `heartbeat_interval_s`)."""
+    learn_quantile: float = 0.99
+    """The quantile of a phase's recent durations (its last 512 progress intervals)."""
     barrier_every_steps: int | None = 100
     """A monitored barrier on the control group every N steps names a rank that never
     arrives; None to skip it."""
@@ -115,6 +130,21 @@ class WatchdogConfig:
                     f"phase_timeouts_s[{name!r}] = {value}: must be a phase other than closed "
                     f"with a timeout above heartbeat_interval_s ({iv})"
                 )
+        if self.learn_factor < 2:
+            raise ConfigError(
+                f"learn_factor ({self.learn_factor}) must be at least 2: a healthy phase "
+                "twice its usual length would be named; raise it (default 10)"
+            )
+        if self.learn_floor_s < iv:
+            raise ConfigError(
+                f"learn_floor_s ({self.learn_floor_s}) must be at least heartbeat_interval_s "
+                f"({iv}): a timeout shorter than a heartbeat cannot be judged; raise "
+                "learn_floor_s (default 5) or lower heartbeat_interval_s"
+            )
+        if not 0.5 <= self.learn_quantile <= 1:
+            raise ConfigError(f"learn_quantile must be in [0.5, 1], got {self.learn_quantile}")
+        if self.learn_warmup_steps < 1:
+            raise ConfigError(f"learn_warmup_steps must be >= 1, got {self.learn_warmup_steps}")
         if self.barrier_timeout_s is None:
             self.barrier_timeout_s = self.timeout_s + self.heartbeat_timeout_s
         if self.barrier_timeout_s <= max(self.timeout_s, self.heartbeat_timeout_s):
@@ -176,6 +206,10 @@ class WatchdogConfig:
         warm[Phase.CLOSED] = math.inf
         cold = np.maximum(warm, self.startup_timeout_s)
         return warm, cold
+
+    def pinned(self) -> frozenset[Phase]:
+        """The phases `phase_timeouts_s` pins: never learned."""
+        return frozenset(Phase.parse(n) for n in self.phase_timeouts_s)
 
     def first_step_timeouts(self) -> np.ndarray:
         """A timeout per Phase value inside the first step of an attempt: no phase gets less

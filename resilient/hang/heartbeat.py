@@ -10,7 +10,9 @@ Two signals, two failure modes:
 - progress: the main thread moves through phases (data, forward, backward, optimizer, ...).
   The culprits of a stall are the live ranks furthest behind (lowest progress sequence
   number: in a DDP hang the sleeper is still in `forward` while its peers wait in
-  `backward`); they are named once their progress is older than their own phase's timeout.
+  `backward`); they are named once their progress is older than their own phase's timeout:
+  the fixed one, or the learned one every rank agreed on (hang/learned.py, `set_learned`)
+  while every live rank is in a learned phase.
 
 Ages are measured by each rank on its own monotonic clock and aged further by the monitor's
 clock from when it saw the beat, so clocks never need to agree across hosts. Detection
@@ -33,8 +35,10 @@ from resilient.hang.config import ENV_WATCHDOG, WatchdogConfig
 from resilient.hang.phases import (
     FLAG_FAILED,
     FLAG_MICRO_BACKWARD,
+    FLAG_ONE_OFF,
     FLAG_OOM,
     FLAG_WARM,
+    LEARNED_PHASES,
     Phase,
     Progress,
 )
@@ -115,6 +119,9 @@ class RankStatus:
     timeout_s: float
     failed: bool
     oom: bool
+    timeout_kind: str = "fixed"
+    """Which timeout applied: learned, fixed (the ceiling), pinned (phase_timeouts_s),
+    first_step or startup."""
     stage: int = -1
     """Its pipeline stage (-1: not pipelined)."""
     micro: int = -1
@@ -199,9 +206,27 @@ class HangDetector:
         self._age = np.zeros(n, dtype=np.float64)
         self._warm_t, self._cold_t = config.phase_timeouts()
         self._first_t = config.first_step_timeouts()
+        self._pinned = np.zeros(len(Phase), dtype=bool)
+        self._pinned[list(config.pinned())] = True
+        self._training = np.zeros(len(Phase), dtype=bool)
+        self._training[list(LEARNED_PHASES)] = True
+        self._learnable = self._training & ~self._pinned
+        self._learned_t = self._warm_t.copy()
+        self._learned = np.zeros(len(Phase), dtype=bool)
+        self._excused_at = -math.inf
+        """When a rank was last seen in a phase whose timeout is not learned (update)."""
+        """Phases whose warm timeout is learned now (set_learned)."""
+
         self._strag_count = np.zeros(n, dtype=np.int64)
         self._strag_flagged = np.zeros(n, dtype=bool)
         self._strag_step = -1
+
+    def set_learned(self, table: np.ndarray) -> None:
+        """Judge warm ranks in learned phases by `table` (agreed by every rank; NaN: the
+        fixed timeout), never above the fixed one (hang/learned.py)."""
+        t = np.asarray(table, dtype=np.float64)
+        self._learned = self._learnable & np.isfinite(t)
+        self._learned_t = np.where(self._learned, np.minimum(t, self._warm_t), self._warm_t)
 
     def update(self, payloads: Sequence[bytes] | bytes, now: float | None = None) -> Report:
         """Fold in one round of heartbeats (in `watch` order) and judge them."""
@@ -222,8 +247,19 @@ class HangDetector:
         # before the first step began (step -1): start-up; inside it: the first step's
         # allowance, so a stall right after a resume is named in the first-step timeout
         cold = np.where(beats["step"] >= 0, self._first_t[phase], self._cold_t[phase])
-        limit = np.where(warm, self._warm_t[phase], cold)
+        # learned timeouts hold while every live rank is in a learned phase: a rank in a
+        # legitimately long one (a checkpoint, an eval, a one-off) may hold the others in a
+        # collective, and they wait with the fixed timeouts until it is back
+        one_off = (flags & FLAG_ONE_OFF) != 0
+        learned = self._learned[phase] & ~one_off & warm
+        if (active & (~self._training[phase] | one_off | ~warm)).any():
+            learned = np.zeros_like(learned)
+            self._excused_at = now
+        limit = np.where(warm, np.where(learned, self._learned_t[phase], self._warm_t[phase]), cold)
         progress_age = self._age + silent
+        # ...and a rank that waited on such a peer is judged by them from when it came back
+        # (the detector's last look at it), not from when it began waiting
+        age = np.where(learned, np.minimum(progress_age, now - self._excused_at), progress_age)
         if dead.any():
             named, kind = dead, "no_heartbeat"
             blocked = np.zeros_like(dead)
@@ -233,7 +269,7 @@ class HangDetector:
             # a beat overdue by two periods: the rank is probably stopped or dead; its stale
             # progress says nothing, so wait for its beat or for the heartbeat timeout
             quiet = active & (silent > 2 * self.config.heartbeat_interval_s)
-            over = active & ~quiet & (progress_age > limit)
+            over = active & ~quiet & (age > limit)
             if not over.any():
                 return Report(None, self._stragglers(beats, active & warm))
             if quiet.any():
@@ -252,6 +288,13 @@ class HangDetector:
                     return Report(None)
             blocked = over & ~named
 
+        def kind_of(i: int) -> str:
+            if not warm[i]:
+                return "first_step" if beats["step"][i] >= 0 else "startup"
+            if learned[i]:
+                return "learned"
+            return "pinned" if self._pinned[phase[i]] else "fixed"
+
         def status(i: int) -> RankStatus:
             return RankStatus(
                 rank=int(self.ranks[i]),
@@ -263,6 +306,7 @@ class HangDetector:
                 timeout_s=float(limit[i]),
                 failed=bool(flags[i] & FLAG_FAILED),
                 oom=bool(flags[i] & FLAG_OOM),
+                timeout_kind=kind_of(i),
                 stage=int(beats["stage"][i]),
                 micro=int(beats["micro"][i]),
                 micro_backward=bool(flags[i] & FLAG_MICRO_BACKWARD),

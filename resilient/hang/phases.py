@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from resilient import faultpoints
 from resilient.errors import ConfigError
@@ -15,8 +16,10 @@ from resilient.errors import ConfigError
 __all__ = [
     "FLAG_FAILED",
     "FLAG_MICRO_BACKWARD",
+    "FLAG_ONE_OFF",
     "FLAG_OOM",
     "FLAG_WARM",
+    "LEARNED_PHASES",
     "LOCAL_PHASES",
     "Phase",
     "Progress",
@@ -58,6 +61,16 @@ class Phase(enum.IntEnum):
 # Phases that hold no DDP collective: their time per step tells a straggler from its peers
 # (everyone's step time is the same once the all-reduce waits for the slowest rank).
 LOCAL_PHASES = frozenset({Phase.DATA, Phase.FORWARD, Phase.OPTIMIZER})
+# Phases whose timeouts are learned from the run (hang/learned.py); the others (start-up,
+# checkpoint, eval, finish) are legitimately long now and then and keep the fixed ones.
+LEARNED_PHASES = (
+    Phase.STEP,
+    Phase.DATA,
+    Phase.FORWARD,
+    Phase.BACKWARD,
+    Phase.OPTIMIZER,
+    Phase.AGREE,
+)
 
 FLAG_WARM = 1
 """The rank completed its first step in this attempt: the tight timeouts apply."""
@@ -68,6 +81,15 @@ FLAG_MICRO_BACKWARD = 8
 """A pipeline stage's micro-batch (`Progress.micro`) is in its backward: its gradient has
 reached the stage's output. Without it, the micro-batch's forward (or what follows it: the
 send of its activations, the wait for the next one)."""
+FLAG_ONE_OFF = 16
+"""The current phase's interval is a one-off (an epoch's first batch spawns loader workers):
+it keeps the fixed timeout and stays out of the learned statistics until the next phase."""
+
+
+class Intervals(Protocol):
+    """Where a warm rank's progress intervals go (hang/learned.py's PhaseStats)."""
+
+    def add(self, phase: int, seconds: float) -> None: ...
 
 
 class Progress:
@@ -84,6 +106,7 @@ class Progress:
         "seq",
         "since",
         "stage",
+        "stats",
         "step",
         "steps_done",
     )
@@ -102,6 +125,8 @@ class Progress:
         self.micro = -1
         """A pipeline stage's micro-batch in this step: the forward or backward of it that
         the phase names (-1: none yet, or not pipelined)."""
+        self.stats: Intervals | None = None
+        """Where warm progress intervals are recorded for learned timeouts (None: not)."""
 
     def enter(self, phase: Phase) -> None:
         """Move to `phase` (counts as progress even when it is the current one)."""
@@ -113,20 +138,25 @@ class Progress:
         self._set(phase)
 
     def _set(self, phase: Phase) -> None:
-        now = time.monotonic()
-        if self.phase in LOCAL_PHASES:
-            self.local_s += now - self.since
+        self.tick()
         self.phase = phase
-        self.since = now
-        self.seq += 1
+        self.flags &= ~FLAG_ONE_OFF
 
     def tick(self) -> None:
         """Progress inside the current phase (a sharded block's forward, the first gradient)."""
         now = time.monotonic()
+        spent = now - self.since
         if self.phase in LOCAL_PHASES:
-            self.local_s += now - self.since
+            self.local_s += spent
+        if self.stats is not None and self.flags & (FLAG_WARM | FLAG_ONE_OFF) == FLAG_WARM:
+            self.stats.add(self.phase, spent)
         self.since = now
         self.seq += 1
+
+    def one_off(self) -> None:
+        """The interval in the current phase, from now to its next progress, is a one-off:
+        the fixed timeout holds for it (FLAG_ONE_OFF)."""
+        self.flags |= FLAG_ONE_OFF
 
     def micro_batch(self, k: int, *, backward: bool) -> None:
         """A pipeline stage's micro-batch `k` enters its forward or its backward."""

@@ -220,7 +220,7 @@ class Verdicts:
     def _claim(self, verdict: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Publish `verdict` unless another rank's came first; returns (the verdict, won)."""
         try:
-            if self._store.add("claim", 1) == 1:
+            if self._store.add(storekeys.CLAIM, 1) == 1:
                 self._store.set(storekeys.VERDICT, json.dumps(verdict))
                 return verdict, True
             deadline = time.monotonic() + self.config.heartbeat_timeout_s

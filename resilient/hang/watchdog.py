@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch.distributed as dist
 from torch import nn
 
+from resilient import events as ev
 from resilient import storekeys
 from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
@@ -38,6 +39,7 @@ from resilient.hang.config import WatchdogConfig
 from resilient.hang.departed import Departures, announce, generation_over
 from resilient.hang.heartbeat import HangDetector, encode_beat, straggler_scores
 from resilient.hang.instrument import instrument
+from resilient.hang.learned import LearnedTimeouts, PhaseStats
 from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase, Progress
 from resilient.hang.verdict import STORE_ERRORS, Verdicts
 from resilient.log import get_logger
@@ -62,6 +64,10 @@ class Watchdog(Verdicts):
         self.rank = ctx.rank
         self.run_dir = run_dir
         self.progress = Progress()
+        self.learned = LearnedTimeouts(config, ctx.world_size)
+        """The learned timeouts: a stateful extra of the common state (hang/learned.py)."""
+        if config.learn_timeouts:
+            self.progress.stats = PhaseStats()
         self.stacks_path = Path(run_dir) / "stacks" / f"rank{ctx.rank}.txt"
         self.cpu_s = 0.0
         """CPU time the heartbeat thread used so far (for the overhead benchmark)."""
@@ -77,6 +83,7 @@ class Watchdog(Verdicts):
         self._signal_file: TextIO | None = None
         self._store_trouble_since: float | None = None
         self._scores_due = time.monotonic()
+        self._agree_every = max(1, round(2.0 / config.heartbeat_interval_s))
         self._log = get_logger()
         self._departures = Departures(ctx.rank, stuck_s=config.heartbeat_interval_s)
 
@@ -102,6 +109,7 @@ class Watchdog(Verdicts):
         pid = os.getpid()
         meta = {"host": self.ctx.host, "pid": pid, "start": procinfo.start_time(pid)}
         self._store.set(storekeys.meta(self.rank), json.dumps(meta))
+        self._store.set(storekeys.learned(self.rank), self.learned.restored.tobytes())
         self._publish()
         if self.ctx.distributed:  # nobody reads a heartbeat key before it exists
             dist.barrier(group=self.ctx.control_group)
@@ -273,7 +281,21 @@ class Watchdog(Verdicts):
             verdict, won = self._claim(self._verdict(report.detection))
             self.carry_out(verdict, won)
             return
+        if self.config.learn_timeouts and self.ticks % self._agree_every == 0:
+            self._agree_learned()
         self._log_scores()
+
+    def _agree_learned(self) -> None:
+        """Rank 0 judges by the learned timeouts every rank agreed (hang/learned.py)."""
+        p, det = self.progress, self._detector
+        agreed = self.learned.exchange(self._store, self.rank, p, self.ctx.world_size)
+        if agreed is not None and det is not None:
+            det.set_learned(agreed)
+            if self.learned.adopt(agreed):
+                pinned = sorted(ph.name.lower() for ph in self.config.pinned())
+                self._log.info(
+                    ev.HANG_TIMEOUTS, step=p.step, timeouts_s=self.learned.named(), pinned=pinned
+                )
 
     def _log_scores(self) -> None:
         """Local rank 0 logs every rank's straggler score, every straggler_scores_every_s:

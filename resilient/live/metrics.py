@@ -250,7 +250,15 @@ def _recoveries(s: LiveState) -> list[Metric]:
         kinds.add_metric([kind], n)
     hangs = CounterMetricFamily("resilient_hangs_detected", "Hangs detected (hang.detected)")
     hangs.add_metric([], s.hangs)
-    return [restarts, kinds, hangs]
+    learned = GaugeMetricFamily(
+        "resilient_hang_timeout_learned_seconds",
+        "The learned hang timeout of a phase that every rank judges by (hang.timeouts); a "
+        "phase without one keeps its fixed timeout",
+        labels=["phase"],
+    )
+    for phase, seconds in sorted(s.hang_timeouts.items()):
+        learned.add_metric([phase], seconds)
+    return [restarts, kinds, hangs, learned]
 
 
 def _health(s: LiveState) -> list[Metric]:

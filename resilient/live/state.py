@@ -17,6 +17,8 @@ What counts, and from which events (docs/metrics.md has the metric of each):
 - restarts and health checks: this host's supervisor log (`attempt.start` with restart > 0,
   `health.check`, `health.done`); another host's, in a shared run directory, is its own
   node's business;
+- hangs: verdicts (`hang.detected`, a worker's or its agent's), and the learned timeouts
+  rank 0 judges by (its newest `hang.timeouts`);
 - stragglers: each rank's newest score (`straggler.scores`), and each time a rank is newly
   flagged (`straggler.detected`, however many watchdogs report it).
 """
@@ -102,6 +104,9 @@ class LiveState:
     restarts: int = 0
     recoveries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RECOVERY_KINDS, 0))
     hangs: int = 0
+    hang_timeouts: dict[str, float] = field(default_factory=dict)
+    """The learned timeouts every rank judges by, per phase (rank 0's newest hang.timeouts);
+    a phase left out keeps its fixed one."""
     health: dict[str, HealthCheck] = field(default_factory=dict)
     health_ok: bool | None = None
     health_rounds: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
@@ -131,6 +136,8 @@ class LiveState:
         rank = e.get("rank")
         if name == ev.HANG_DETECTED:
             self.hangs += 1
+        elif name == ev.HANG_TIMEOUTS and rank == 0:
+            self.hang_timeouts = {str(k): float(v) for k, v in dict(e["timeouts_s"]).items()}
         elif name == ev.STRAGGLER_DETECTED or name == "straggler.cleared":
             self._straggler(name, e)
         elif name == ev.STRAGGLER_SCORES:
@@ -269,6 +276,8 @@ class LiveState:
     def _supervisor(self, name: str, e: dict[str, Any]) -> None:
         if name == "attempt.start" and int(e.get("restart") or 0) > 0:
             self.restarts += 1
+        elif name == ev.HANG_DETECTED:  # its agent saw a worker stopped (supervisor/stopped.py)
+            self.hangs += 1
         elif name == ev.HEALTH_CHECK and e.get("name"):
             value = e.get("value")
             self.health[str(e["name"])] = HealthCheck(

@@ -10,7 +10,8 @@ the time it was detected:
   (SIGSTOP), "lost process" when it was gone, else "no heartbeat"; a rank that flagged its
   own failure, "oom" or "exception". The fault is dated at the named rank's last heartbeat
   (or last progress, for a hang): the verdict says how long before it that was, so the
-  detection time is the wait the group spent on the timeout;
+  detection time is the wait the group spent on the timeout, and the verdict says which
+  timeout fired (learned, fixed, pinned, ..., with its value: `Cause.timeout`);
 - `guard.failure`: "oom" or "exception", as the guard classified it (an OOM retry is
   "oom" by itself: recovery.py); a preemption's events: "preemption";
 - a worker's exit (`worker.failed`, `recovery.hot.replace`, `watchdog.exit`): its code;
@@ -51,6 +52,10 @@ class Cause:
     """When the run knew of it (the event that named it)."""
     step: int | None = None
     """The step it was seen at (numeric faults)."""
+    timeout: str | None = None
+    """For a watchdog verdict, the rule that fired: "learned 5.00 s", "fixed 300.00 s",
+    "pinned 60.00 s", "first_step 360.00 s", "startup ...", "heartbeat" (no beat for
+    heartbeat_timeout_s), "process state" (its agent saw it stopped), "barrier"."""
 
 
 def cause_of(window: list[dict[str, Any]]) -> Cause | None:
@@ -84,7 +89,8 @@ def _verdict(window: list[dict[str, Any]]) -> Cause | None:
     age_key = "progress_age_s"
     if verdict == "no_heartbeat":
         states = {n.get("state") for n in named}
-        kind = "stopped" if "stopped" in states else "lost process" if "dead" in states else None
+        kind = "stopped" if "stopped" in states else None
+        kind = kind or ("lost process" if states & {"dead", "zombie"} else None)
         kind, age_key = kind or "no heartbeat", "silent_s"
     elif verdict == "failed":
         kind = "oom" if any(n.get("oom") for n in named) else "exception"
@@ -94,7 +100,21 @@ def _verdict(window: list[dict[str, Any]]) -> Cause | None:
         kind = _BY_CODE.get(int(e.get("exit_code", -1)), verdict or "unknown")
     ages = [float(n[age_key]) for n in named if n.get(age_key) is not None]
     age = max(ages) if ages and kind != "exception" and kind != "oom" else 0.0
-    return Cause(kind, e["t"] - age, e["t"], _step(named))
+    return Cause(kind, e["t"] - age, e["t"], _step(named), _timeout(verdict, named))
+
+
+def _timeout(verdict: str, named: list[dict[str, Any]]) -> str | None:
+    """Which timeout a verdict's first named rank was judged by, and its value."""
+    first = named[0] if named else {}
+    if first.get("timeout_kind") == "process_state":
+        return "process state"
+    if verdict == "no_heartbeat":
+        return "heartbeat"
+    if verdict == "barrier":
+        return "barrier"
+    if verdict != "stalled" or first.get("timeout_s") is None:
+        return None
+    return f"{first.get('timeout_kind', 'fixed')} {float(first['timeout_s']):.2f} s"
 
 
 def _step(named: list[dict[str, Any]]) -> int | None:

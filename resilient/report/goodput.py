@@ -277,6 +277,10 @@ def analyze_events(
         replay_diverged=[e for e in events if e.get("event") == ev.RESUME_DIVERGED],
         **numeric_faults(rank0),
     )
+    learned = [e for e in rank0 if e.get("event") == ev.HANG_TIMEOUTS]
+    if learned:
+        report.hang_timeouts = dict(learned[-1].get("timeouts_s") or {})
+        report.hang_pinned = list(learned[-1].get("pinned") or [])
     if len(committed) >= 2:
         gaps = [
             b["t"] - a_["t"]

@@ -129,6 +129,7 @@ def recoveries(
                 recover_s=(first_step - fault_t) if first_step is not None else None,
                 steps_lost=lost,
                 recovery=kind,
+                timeout=cause.timeout if cause is not None else None,
             )
         )
         # the next fault may come as soon as the first rank is done with this recovery, before

@@ -37,6 +37,8 @@ class FaultReport:
     """COLD, HOT_ROLLBACK, HOT_REPLACEMENT or RETRY."""
     step: int | None = None
     """The step a numerical fault was seen at (None for other kinds)."""
+    timeout: str | None = None
+    """A hang's: which timeout fired and its value ("learned 5.00 s", causes.py)."""
 
     @property
     def label(self) -> str:
@@ -89,6 +91,10 @@ class RunReport:
     """Ranges (first, last) of the steps whose update was skipped."""
     suspects: dict[int, int] = field(default_factory=dict)
     """rank -> transient numerical faults it was the origin of (more than one: suspect)."""
+    hang_timeouts: dict[str, float] = field(default_factory=dict)
+    """The learned hang timeouts in force at the end (rank 0's newest `hang.timeouts`)."""
+    hang_pinned: list[str] = field(default_factory=list)
+    """The phases whose hang timeout the configuration pins (never learned)."""
 
     @property
     def steady_goodput(self) -> float:

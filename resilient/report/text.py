@@ -23,6 +23,10 @@ def format_report(rep: RunReport) -> str:
         f"save cost ({rep.save_cost_basis})  {s(rep.save_cost_s, ' s', 4)}  "
         f"(blocked {s(rep.blocked_s, ' s', 4)}, measured interval {s(rep.interval_s)})",
     ]
+    if rep.hang_timeouts or rep.hang_pinned:
+        learned = ", ".join(f"{k} {v:g} s" for k, v in rep.hang_timeouts.items()) or "none"
+        pinned = ", ".join(rep.hang_pinned) or "none"
+        lines.append(f"hang timeouts        learned: {learned}; pinned: {pinned}")
     if rep.replay_verified or rep.replay_diverged:
         steps = sum(n for _, n in rep.replay_verified)
         ranks = len({r for r, _ in rep.replay_verified})
@@ -63,6 +67,7 @@ def format_report(rep: RunReport) -> str:
         for i, f in enumerate(rep.faults):
             lost = "-" if f.steps_lost is None else str(f.steps_lost)
             note = "" if f.exact_time else "  (fault time estimated from the logs)"
+            note += f"  timeout: {f.timeout}" if f.timeout else ""
             lines.append(
                 f"{i:>5}  {f.label:<16}  {f.recovery:<16} {s(f.detect_s):>8} {s(f.restart_s):>10} "
                 f"{s(f.recover_s):>10}  {lost:>10}{note}"

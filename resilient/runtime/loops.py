@@ -24,7 +24,7 @@ from resilient.envvars import ENV_FINAL_DIGEST, ENV_STOP_AT
 from resilient.errors import ConfigError
 from resilient.groups.groups import DistContext
 from resilient.guard.guard import Guard
-from resilient.hang.phases import Phase
+from resilient.hang.phases import Phase, Progress
 from resilient.hang.watchdog import Watchdog
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.snapshot import Snapshots, StepCounter
@@ -382,6 +382,7 @@ class _EpochLoop:
         rt._check_preempt(self._start)
         rt._progress.begin()
         rt.watchdog.progress.enter(Phase.DATA)
+        _one_off_fetch(batches, rt.watchdog.progress)
         batch = batches.next_in_epoch()  # StopIteration at the epoch's end
         rt._open_step(rt.step)
         return batch
@@ -412,4 +413,16 @@ class _DataPhase:
 
     def __next__(self) -> Any:
         self._progress.enter(Phase.DATA)
+        _one_off_fetch(self._batches, self._progress)
         return next(self._batches)
+
+
+def _one_off_fetch(batches: ResumableBatches, progress: Progress) -> None:
+    """An epoch's first fetch starts the loader's workers: a one-off, judged by the fixed
+    timeout (hang/learned.py). So is the fetch that ends an epoch and starts the next."""
+    try:
+        size = len(batches.loader)
+    except TypeError:  # an iterable dataset: no length, no telling
+        size = -1
+    if batches._it is None or batches._taken >= size >= 0:
+        progress.one_off()

@@ -199,7 +199,7 @@ class Runtime(Loops):
         self._fp.mesh = self.layout.signature()
         stage = agree_split(model, self.layout, self.ctx, self.log)  # None: no pp in the mesh
         common: dict[str, StatefulLike] = dict(extras)
-        common["__numeric_skipped__"] = self.numeric.skipped
+        common.update(__numeric_skipped__=self.numeric.skipped, __hang__=self.watchdog.learned)
         if scheduler is not None:
             common["scheduler"] = scheduler
         per_rank: dict[str, StatefulLike] = {}

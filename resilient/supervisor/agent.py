@@ -51,6 +51,7 @@ from resilient.supervisor.gate import NodeGate
 from resilient.supervisor.hot import HotReplacer
 from resilient.supervisor.procs import peek_exit, wait_exits
 from resilient.supervisor.startwatch import StartWatch
+from resilient.supervisor.stopped import StoppedWorkers
 
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
 
@@ -119,6 +120,10 @@ class SupervisedAgent(ElasticAgentBase):
         )
         """Hot recovery, and the workers' store of the round (which it holds: see
         _host_round_store)."""
+        self._stopped = StoppedWorkers(
+            self._hot.watchdog_store, hooks.on_event, hot=lambda: self._hot.enabled
+        )
+        """Names a stopped or zombie worker of this node in seconds (stopped.py)."""
         self._hooks = hooks
         self._grace_s = grace_s
         self._stop_signal = stop_signal
@@ -151,6 +156,7 @@ class SupervisedAgent(ElasticAgentBase):
         self._roots = {}
         self._handled = False
         self._hot.start_round(self.attempt_id, hosted)
+        self._stopped.start_round()
         pids = super().start_workers(worker_group)
         self._start.started()
         if self._gate is not None:
@@ -217,6 +223,7 @@ class SupervisedAgent(ElasticAgentBase):
         if pids is not None and self._hot.enabled and not self._roots:
             self._hot.kill_named(worker_group, pids)
         if pids is not None and not self._roots:
+            self._stopped.look(worker_group, pids)
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
             faultpoints.hit(faultpoints.AGENT_LOOKED, pids=dict(pids))
             failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}

@@ -204,6 +204,12 @@ class HotReplacer:
                 since_replace_s=round(since, 3),
             )
 
+    def watchdog_store(self, worker_group: WorkerGroup) -> tuple[Any, str]:
+        """The workers' store and the current generation's watchdog prefix (stopped.py)."""
+        store = self._store.get(worker_group)
+        self._store.catch_up(store)
+        return store, storekeys.watchdog_prefix(self._store.attempt_id, self._store.generation)
+
     def kill_named(self, worker_group: WorkerGroup, pids: dict[int, int]) -> None:
         """SIGKILL this node's worker that the current generation's hot verdict names, when it
         cannot leave by itself: at once when it went silent (stopped, or its threads never
