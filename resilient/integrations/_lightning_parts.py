@@ -101,8 +101,18 @@ def check_trainer(trainer: Any) -> None:
         )
 
 
-def check_module(trainer: Any, pl_module: Any) -> None:
-    """Refuse what the adapter's step accounting cannot follow (after configure_optimizers)."""
+def check_module(trainer: Any, pl_module: Any, ckpt_path: str | None = None) -> None:
+    """Refuse what the adapter's step accounting cannot follow (after configure_optimizers),
+    and a Lightning checkpoint to resume from."""
+    ckpt_path = ckpt_path or trainer.ckpt_path
+    if ckpt_path:
+        raise ConfigError(
+            f"trainer.fit(ckpt_path={ckpt_path!r}): with the Resilient callback the run resumes "
+            "from resilient's own checkpoints by itself, exactly; a Lightning .ckpt holds no "
+            "RNG state and no loader position. Drop ckpt_path; to start a new run from its "
+            "weights, load them into the LightningModule before fit() "
+            "(model.load_state_dict(torch.load(path)['state_dict']))"
+        )
     if not pl_module.automatic_optimization:
         raise ConfigError(
             "automatic_optimization=False is not supported: resilient counts a step at each "
@@ -112,13 +122,6 @@ def check_module(trainer: Any, pl_module: Any) -> None:
         raise ConfigError(
             f"configure_optimizers() made {len(trainer.optimizers)} optimizers: "
             "resilient.integrations.lightning supports one"
-        )
-    if trainer.ckpt_path:
-        raise ConfigError(
-            f"trainer.fit(ckpt_path={trainer.ckpt_path!r}): with the Resilient callback the run "
-            "resumes from resilient's own checkpoints by itself, exactly; a Lightning .ckpt holds "
-            "no RNG state and no loader position. Drop ckpt_path, or start a new run from its "
-            "weights with Resilient(init_from=...) after `resilient export` or a state_dict file"
         )
 
 

@@ -173,6 +173,10 @@ class Resilient(pl.Callback):
         if self.loop is not None:
             self._save_due = True
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Lightning restores a .ckpt (fit(ckpt_path=...)): refused with the fix."""
+        check_module(trainer, pl_module, ckpt_path=trainer.ckpt_path or "a Lightning .ckpt")
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.loop is not None:
             self.loop.finish()
