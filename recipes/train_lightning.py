@@ -73,6 +73,17 @@ class TinyGPT(L.LightningModule):
         return DataLoader(Corpus(16, seed=99), batch_size=4)
 
 
+def _strategy(fsdp: bool) -> object:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return "auto"
+    if not fsdp:
+        return "ddp"
+    from lightning.pytorch.strategies import FSDPStrategy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return FSDPStrategy(auto_wrap_policy={GPT2Block})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -81,6 +92,7 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--fsdp", action="store_true", help="Lightning's FSDPStrategy (untested)")
     p.add_argument("--plain", action="store_true", help="stock Lightning, its own resume")
     args = p.parse_args()
 
@@ -98,7 +110,7 @@ def main() -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("WORLD_SIZE", "1"))
         // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
+        strategy=_strategy(args.fsdp),
         max_steps=args.steps,
         accumulate_grad_batches=args.grad_accum,
         callbacks=callbacks,

@@ -99,6 +99,22 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_nan_once_restarts_and_ends_bit_for_bit(
+    tmp_path: Path, launcher: Launcher, fault_free: tuple[str, str]
+) -> None:
+    """A NaN loss on rank 1 in the first micro-batch of step 25: every rank sees it before
+    the update (the gradients are checked after Lightning's closure), the step changes
+    nothing, the run restarts from step 20, and the replay without the fault ends equal."""
+    code, _, err = launcher.run(
+        _run(tmp_path, faults=("nan@rank=1,step=25,phase=forward",)), timeout=250
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    assert "numeric.fault" in err and "action=restart" in err
+    assert _final(tmp_path) == fault_free
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_nan_that_comes_back_stops_with_87(tmp_path: Path, launcher: Launcher) -> None:
     """A batch that is NaN whenever it is seen: the restart meets it again, and the run stops
     as a numerical fault (exit 87) instead of training on, or restarting forever."""

@@ -1,7 +1,8 @@
 """The pieces of the Lightning adapter (resilient/integrations/lightning.py) that are not the
 callback itself: the tested versions and the private seams they must have, the checks of the
-Trainer's options, the training loader, the epochs Lightning iterates, and Lightning's own
-state (its loops' progress, its callbacks' state) as a checkpoint entry."""
+Trainer's options, the optimizer step's order, the training loader, the epochs Lightning
+iterates, and Lightning's own state (its loops' progress, its callbacks' state) as a
+checkpoint entry."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning
+import torch
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from packaging.version import Version
 from torch.utils.data import (
@@ -37,6 +39,7 @@ SEAMS = {
     "_FitLoop": ("_data_source", "_combined_loader", "epoch_loop", "state_dict", "load_state_dict"),
     "_TrainingEpochLoop": ("_should_accumulate", "_batches_that_stepped"),
     "_SignalConnector": ("register_signal_handlers",),
+    "Precision": ("_wrap_closure", "optimizer_step"),
 }
 """The private names the adapter relies on: where the training loader comes from (the fit
 loop's data source), whether a batch ends an optimizer step, and the signal handlers it keeps
@@ -69,6 +72,7 @@ def check_seams(trainer: Any) -> None:
         "_FitLoop": trainer.fit_loop,
         "_TrainingEpochLoop": trainer.fit_loop.epoch_loop,
         "_SignalConnector": trainer._signal_connector,
+        "Precision": trainer.precision_plugin,
     }
     for owner, names in SEAMS.items():
         for name in names:
@@ -123,6 +127,30 @@ def check_module(trainer: Any, pl_module: Any, ckpt_path: str | None = None) -> 
             f"configure_optimizers() made {len(trainer.optimizers)} optimizers: "
             "resilient.integrations.lightning supports one"
         )
+    if isinstance(trainer.optimizers[0], torch.optim.LBFGS):
+        raise ConfigError(
+            "LBFGS evaluates its closure several times a step: resilient checks the gradients "
+            "once, after the step's backward; use another optimizer or port the loop by hand"
+        )
+
+
+def closure_first(trainer: Any) -> None:
+    """Lightning's default precision plugins step the optimizer with the training step as its
+    closure, `optimizer.step(closure)`: forward and backward run inside step(), after the
+    optimizer's step hooks, where the runtime checks the step's gradients for non-finite
+    values before the update. Run the closure (forward, backward, on_before_optimizer_step,
+    gradient clipping) first, then `optimizer.step()`: the same operations in the same order
+    (what Lightning's own GradScaler path does), with the check on the reduced gradients."""
+    plugin = trainer.precision_plugin
+    if getattr(plugin, "scaler", None) is not None:
+        return  # MixedPrecision with a GradScaler: its closure runs before step() already
+
+    def optimizer_step(optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        result = plugin._wrap_closure(model, optimizer, closure)
+        optimizer.step(**kwargs)
+        return result
+
+    plugin.optimizer_step = optimizer_step
 
 
 def training_loader(dl: Any, rank: int, world: int, seed: int) -> StatefulDataLoader:

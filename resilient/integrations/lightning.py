@@ -42,6 +42,7 @@ from resilient.integrations._lightning_parts import (
     check_module,
     check_seams,
     check_trainer,
+    closure_first,
     epoch_batches,
     seed_of,
     total_steps,
@@ -98,6 +99,7 @@ class Resilient(pl.Callback):
         rt = self.rt
         assert rt is not None, "setup() made the runtime"
         check_module(trainer, pl_module)
+        closure_first(trainer)  # the gradients are checked after backward, before the update
         user_loader = trainer.fit_loop._data_source.dataloader()
         loader = training_loader(user_loader, rt.rank, rt.world_size, seed_of())
         per_epoch = epoch_batches(trainer, loader)
