@@ -45,11 +45,20 @@ class Corpus(Dataset):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, samples: int, workers: int, total: int) -> None:
+    def __init__(self, samples: int, workers: int, total: int, fsdp: bool = False) -> None:
         super().__init__()
         config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
         self.model = GPT2LMHeadModel(config)
-        self.samples, self.workers, self.total = samples, workers, total
+        self.samples, self.workers, self.total, self.fsdp = samples, workers, total, fsdp
+
+    def configure_model(self) -> None:
+        if self.fsdp and self.device_mesh is not None:  # ModelParallelStrategy: FSDP2
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
 
     def training_step(self, ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=ids, labels=ids).loss
@@ -78,10 +87,10 @@ def _strategy(fsdp: bool) -> object:
         return "auto"
     if not fsdp:
         return "ddp"
-    from lightning.pytorch.strategies import FSDPStrategy
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    return FSDPStrategy(auto_wrap_policy={GPT2Block})
+    world = int(os.environ["WORLD_SIZE"])
+    return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
 def main() -> None:
@@ -92,7 +101,7 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--fsdp", action="store_true", help="Lightning's FSDPStrategy (untested)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2: Lightning's ModelParallelStrategy")
     p.add_argument("--plain", action="store_true", help="stock Lightning, its own resume")
     args = p.parse_args()
 
@@ -121,7 +130,7 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=args.out,
     )
-    model = TinyGPT(args.samples, args.workers, args.steps)
+    model = TinyGPT(args.samples, args.workers, args.steps, fsdp=args.fsdp)
     last = ckpt_dir / "last.ckpt"
     resume = str(last) if args.plain and last.exists() else None
     trainer.fit(model, ckpt_path=resume)

@@ -77,6 +77,24 @@ def test_kill_9_mid_epoch_resumes_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp2_kill_9_resumes_bit_for_bit(tmp_path: Path, launcher: Launcher) -> None:
+    """FSDP2 through Lightning's ModelParallelStrategy (fully_shard in configure_model), each
+    rank holding half of every parameter: killed as above, the run ends with the bits of an
+    uninterrupted FSDP2 run."""
+    code, _, err = launcher.run(_run(tmp_path / "clean", script=("--fsdp",)), timeout=200)
+    assert code == ExitCode.OK, err[-4000:]
+    faulty = tmp_path / "faulty"
+    code, _, err = launcher.run(
+        _run(faulty, faults=("kill@rank=1,step=27,phase=backward",), script=("--fsdp",)),
+        timeout=200,
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    assert "mesh.layout" in err and "lightning.resumed" in err and "batch=8 epoch=1" in err
+    assert _final(faulty) == _final(tmp_path / "clean")
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
     tmp_path: Path, launcher: Launcher, fault_free: tuple[str, str]

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning
 import torch
+from lightning.pytorch.strategies.strategy import Strategy as _Strategy
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from packaging.version import Version
 from torch.utils.data import (
@@ -40,17 +41,19 @@ SEAMS = {
     "_TrainingEpochLoop": ("_should_accumulate", "_batches_that_stepped"),
     "_SignalConnector": ("register_signal_handlers",),
     "Precision": ("_wrap_closure", "optimizer_step"),
+    "Strategy": ("_forward_redirection", "training_step", "precision_plugin"),
 }
 """The private names the adapter relies on: where the training loader comes from (the fit
 loop's data source), whether a batch ends an optimizer step, and the signal handlers it keeps
 Lightning from installing. Checked at the start of fit(), refused with the tested range when
 one moved."""
 
-_SHARDED = ("FSDPStrategy", "ModelParallelStrategy")
-"""Strategies whose state is sharded: the runtime saves it through DCP like FSDP2's, but they
-need accelerators, so this path is untested on CPU (docs/integrations.md#lightning)."""
+_UNTESTED = ("FSDPStrategy",)
+"""FSDP1 through Lightning's FSDPStrategy: its state goes through DCP's state dicts as FSDP2's
+does, but Lightning allows it on GPUs only, so this path is untested here. FSDP2 through
+ModelParallelStrategy (fully_shard in configure_model) runs on CPU and is tested."""
 
-_SUPPORTED = ("DDPStrategy", "SingleDeviceStrategy", *_SHARDED)
+_SUPPORTED = ("DDPStrategy", "SingleDeviceStrategy", "ModelParallelStrategy", *_UNTESTED)
 
 
 def check_lightning() -> None:
@@ -73,6 +76,7 @@ def check_seams(trainer: Any) -> None:
         "_TrainingEpochLoop": trainer.fit_loop.epoch_loop,
         "_SignalConnector": trainer._signal_connector,
         "Precision": trainer.precision_plugin,
+        "Strategy": trainer.strategy,
     }
     for owner, names in SEAMS.items():
         for name in names:
@@ -90,7 +94,7 @@ def check_trainer(trainer: Any) -> None:
     if not any(c.__name__ in _SUPPORTED for c in type(trainer.strategy).__mro__):
         raise ConfigError(
             f"strategy {strategy} is not supported by resilient.integrations.lightning: use "
-            "strategy='ddp' (or 'fsdp', untested on CPU), or port the loop by hand "
+            "strategy='ddp' or ModelParallelStrategy (FSDP2), or port the loop by hand "
             "(docs/porting.md)"
         )
     if trainer.reload_dataloaders_every_n_epochs:
@@ -151,6 +155,23 @@ def closure_first(trainer: Any) -> None:
         return result
 
     plugin.optimizer_step = optimizer_step
+
+
+def step_through_call(trainer: Any) -> None:
+    """Where the strategy calls `training_step` on the module directly (one device,
+    ModelParallelStrategy), route it through the module's `__call__`, as Lightning does for
+    DDP: the runtime's hooks on the tracked module (phases for the hang report, the step's
+    input fingerprint) then see each step. The same call, the same computation."""
+    strategy, module = trainer.strategy, trainer.lightning_module
+    if strategy.model is not module or type(strategy).training_step is not _Strategy.training_step:
+        return
+    redirect = strategy._forward_redirection
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        with strategy.precision_plugin.train_step_context():
+            return redirect(module, module, "training_step", *args, **kwargs)
+
+    strategy.training_step = training_step
 
 
 def training_loader(dl: Any, rank: int, world: int, seed: int) -> StatefulDataLoader:

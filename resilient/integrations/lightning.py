@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 
 import resilient
 from resilient.integrations._lightning_parts import (
-    _SHARDED,
+    _UNTESTED,
     EpochBatches,
     LightningState,
     check_lightning,
@@ -45,6 +45,7 @@ from resilient.integrations._lightning_parts import (
     closure_first,
     epoch_batches,
     seed_of,
+    step_through_call,
     total_steps,
     training_loader,
     use_loader,
@@ -53,6 +54,9 @@ from resilient.runtime.driven import DrivenLoop
 from resilient.runtime.runtime import Runtime
 
 __all__ = ["Resilient"]
+
+_MESH_ROLES = {"data_parallel": "shard", "tensor_parallel": "tp"}
+"""ModelParallelStrategy's mesh dimensions by the runtime's role names."""
 
 check_lightning()
 
@@ -86,11 +90,12 @@ class Resilient(pl.Callback):
         # Lightning's SIGTERM handler broadcasts inside the handler and stops after the
         # current batch, and its SLURM handler saves inside the handler: neither is exact
         trainer._signal_connector.register_signal_handlers = _signals_are_resilients
-        if type(trainer.strategy).__name__ in _SHARDED:
+        if type(trainer.strategy).__name__ in _UNTESTED:
             self.rt.log.warning(
-                "lightning.sharded_untested",
+                "lightning.strategy_untested",
                 strategy=type(trainer.strategy).__name__,
-                reason="saved through DCP as FSDP2 is, but not tested: it needs accelerators",
+                reason="saved through DCP's state dicts as FSDP2 is, but Lightning runs it on "
+                "GPUs only: untested (ModelParallelStrategy with fully_shard is tested)",
             )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -100,6 +105,7 @@ class Resilient(pl.Callback):
         assert rt is not None, "setup() made the runtime"
         check_module(trainer, pl_module)
         closure_first(trainer)  # the gradients are checked after backward, before the update
+        step_through_call(trainer)  # the tracked module's hooks see each step
         user_loader = trainer.fit_loop._data_source.dataloader()
         loader = training_loader(user_loader, rt.rank, rt.world_size, seed_of())
         per_epoch = epoch_batches(trainer, loader)
@@ -111,6 +117,9 @@ class Resilient(pl.Callback):
         precision = trainer.precision_plugin
         if precision.state_dict():  # a GradScaler's, for 16-mixed
             extras["lightning_precision"] = precision
+        mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy's
+        if mesh is not None:
+            extras.update(mesh=mesh, mesh_roles=_MESH_ROLES)
         rt.track(
             model=trainer.strategy.model,
             optimizer=trainer.optimizers[0],
