@@ -117,6 +117,23 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_hang_is_named_and_the_restart_ends_bit_for_bit(
+    tmp_path: Path, launcher: Launcher, fault_free: tuple[str, str]
+) -> None:
+    """Rank 1 stops making progress in the forward of step 25, inside Lightning's loop: the
+    watchdog names it (rank, step, phase) after its 15 s phase timeout, every rank leaves
+    with exit 81 at once, and the restart from step 20 ends equal."""
+    env = {**os.environ, "RESILIENT_WATCHDOG": '{"timeout_s": 15}'}
+    code, _, err = launcher.run(
+        _run(tmp_path, faults=("hang@rank=1,step=25,phase=forward",)), timeout=250, env=env
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    assert "hang.detected" in err and "'rank': 1, 'step': 25, 'phase': 'forward'" in err
+    assert _final(tmp_path) == fault_free
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_nan_once_restarts_and_ends_bit_for_bit(
     tmp_path: Path, launcher: Launcher, fault_free: tuple[str, str]
 ) -> None:
