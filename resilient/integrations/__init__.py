@@ -6,4 +6,6 @@ imports this package (the import-linter contract in pyproject.toml keeps it so),
 
 - `resilient.integrations.hf`: the Hugging Face `Trainer` (`from resilient.integrations.hf
   import Trainer`).
+- `resilient.integrations.lightning`: Lightning's Trainer (`callbacks=[Resilient()]`, from
+  `resilient.integrations.lightning import Resilient`).
 """
