@@ -37,18 +37,22 @@ def main() -> None:
     rt.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)  # resilient
     batches = rt.batches()  # resilient: resumable, epoch-aware iterator over the loader
     for step in rt.steps(total=args.steps, stop_at=args.stop_at):  # resilient: resumes, saves
-        _, x, y = next(batches)
-        if args.micro_batches:  # resilient: an OOM or an exception here is recovered in place
-            split = split_at(args.splits, step)
-            for mb in rt.micro_batches(x.to(device), y.to(device), model=model, split=split):
-                with mb:
-                    _, loss = model(*mb.inputs)
-                    mb.backward(loss)
-                    rt.observe(loss=loss)  # resilient: after mb.backward, which may retry
-        else:
-            _, loss = model(x.to(device), y.to(device))
-            rt.observe(loss=loss)  # resilient: before backward, its checks ride the all-reduce
-            loss.backward()
+        accum = rt.grad_accum  # resilient: batches a step that keep the global batch (1 unless
+        for _ in range(accum):  # the world changed: docs/operating.md#batch-policy)
+            _, x, y = next(batches)
+            if args.micro_batches:  # resilient: an OOM or an exception here is recovered in place
+                split = split_at(args.splits, step)
+                for mb in rt.micro_batches(x.to(device), y.to(device), model=model, split=split):
+                    with mb:
+                        _, loss = model(*mb.inputs)
+                        loss = loss / accum if accum > 1 else loss  # weighted by samples
+                        mb.backward(loss)
+                        rt.observe(loss=loss)  # resilient: after mb.backward, which may retry
+            else:
+                _, loss = model(x.to(device), y.to(device))
+                loss = loss / accum if accum > 1 else loss  # equal batches: weighted by samples
+                rt.observe(loss=loss)  # resilient: before backward, its checks ride the all-reduce
+                loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

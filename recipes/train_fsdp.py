@@ -38,10 +38,13 @@ def main() -> None:
     rt.track(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)  # resilient
     batches = rt.batches()  # resilient: resumable, epoch-aware iterator over the loader
     for step in rt.steps(total=args.steps, stop_at=args.stop_at):  # resilient: resumes, saves
-        _, x, y = next(batches)
-        _, loss = model(x.to(device), y.to(device))
-        rt.observe(loss=loss)  # resilient: fingerprints and loss-spike checks
-        loss.backward()
+        accum = rt.grad_accum  # resilient: batches a step that keep the global batch (1 unless
+        for _ in range(accum):  # the world changed: docs/operating.md#batch-policy)
+            _, x, y = next(batches)
+            _, loss = model(x.to(device), y.to(device))
+            loss = loss / accum if accum > 1 else loss  # equal batches: weighted by samples
+            rt.observe(loss=loss)  # resilient: fingerprints and loss-spike checks
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

@@ -1,10 +1,12 @@
 """The check every compat module runs at import: is this torch a tested release, and does it
 still have what we use?
 
-First the release: resilient is tested on a range of torch releases, TORCH_FLOOR to
-TORCH_NEWEST (pyproject.toml declares the same range; docs/operating.md#torch-releases says
-what was checked on which). A torch outside it, or a pre-release or nightly build, fails at
-the import of the first compat module with an error naming the range; RESILIENT_UNTESTED_TORCH=1
+First the release: resilient is tested on a range of torch minors, TORCH_FLOOR's to
+TORCH_NEWEST's, any patch release of them (pyproject.toml declares the same range, `<2.16`;
+docs/operating.md#torch-releases says what was checked on which). A newer minor than the
+newest tested is warned about, not refused: pip's bound already keeps it out, so one that is
+there was chosen. A release below the floor, or a pre-release or nightly build, fails at the
+import of the first compat module with an error naming the range; RESILIENT_UNTESTED_TORCH=1
 (resilient/envvars.py) turns that into a warning, for trying a new release.
 
 Then the names: resilient leans on a few private torch names where torch has no public way
@@ -30,6 +32,7 @@ import torch
 from resilient.envvars import ENV_UNTESTED_TORCH, untested_torch_allowed
 
 __all__ = [
+    "TESTED_MINORS",
     "TESTED_RANGE",
     "TESTED_RELEASES",
     "TORCH_FLOOR",
@@ -47,15 +50,19 @@ TORCH_FLOOR = (2, 13, 0)
 """The oldest torch release tested: an older one lacks a name or a behaviour resilient relies
 on (docs/operating.md#torch-releases)."""
 TORCH_NEWEST = (2, 15, 0)
-"""The newest torch release tested. Raise it only with the new release checked by
-`make test-torch TORCH=<release>`, and pyproject.toml's bound with it."""
-TESTED_RANGE = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]},<={'.'.join(map(str, TORCH_NEWEST))}"
+"""The newest torch release tested: the one place that names it (scripts/torch_env.py reads
+this line for `make test-torch TORCH=newest` and CI's subset). Raise it only with the new
+release checked by `make test-torch TORCH=<release>`, and pyproject.toml's bound with it."""
+TESTED_RANGE = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]},<{TORCH_NEWEST[0]}.{TORCH_NEWEST[1] + 1}"
 """The range as pip reads it (pyproject.toml's requirement; tests/test_torch_compat.py checks
-that the two agree)."""
+that the two agree): every patch release of the tested minors."""
 
 TESTED_RELEASES = ("2.13.0", "2.14.1", "2.15.0")
 """The releases `make test-torch` was run on, oldest first (every compat module's docstring
 names them: the releases its checks were run on)."""
+
+TESTED_MINORS = frozenset(tuple(int(x) for x in r.split(".")[:2]) for r in TESTED_RELEASES)
+"""The (major, minor) of every tested release: a patch release of one of them is accepted."""
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?(\+[\w.]+)?")
 
@@ -137,12 +144,24 @@ def _source_file(path: str | None) -> str:
 
 
 def check_release(version: str, *, allow_untested: bool = False) -> None:
-    """TorchCompatError naming the tested range when `version` (torch.__version__, e.g.
-    "2.15.0+cu130"; a local build label is ignored) is not a release in it, or is a pre-release
-    or nightly build; a warning instead when `allow_untested`."""
+    """Accept `version` (torch.__version__, e.g. "2.15.1+cu130"; a local build label is
+    ignored) when it is any patch release of a tested minor. A newer minor than the newest
+    tested is a warning, not a refusal. A release below the floor, a minor in the range that
+    was never tested, a pre-release or nightly build, or no release at all raise
+    TorchCompatError naming the range; a warning instead when `allow_untested`."""
     match = _RELEASE.fullmatch(version)
     release = tuple(int(x or 0) for x in match.groups()[:3]) if match else None
-    if release is not None and TORCH_FLOOR <= release <= TORCH_NEWEST:
+    if release is not None and release >= TORCH_FLOOR and release[:2] in TESTED_MINORS:
+        return
+    if release is not None and release[:2] > TORCH_NEWEST[:2]:
+        warnings.warn(
+            f"resilient: torch {version} is a newer minor release than the newest tested, "
+            f"{'.'.join(map(str, TORCH_NEWEST))} ({TESTED_RANGE}, "
+            "docs/operating.md#torch-releases). Running anyway; the private torch names it "
+            "uses are still checked at import. Report how it went.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return
     text = (
         f"resilient: torch {version} is not a release resilient is tested with "

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "DEFAULT_SIGNALS",
     "ENV_ATTEMPT",
+    "ENV_BATCH_POLICY",
     "ENV_CHECKPOINT_DIR",
     "ENV_FINAL_DIGEST",
     "ENV_GENERATION",
@@ -77,6 +78,10 @@ ENV_STORE = "RESILIENT_STORE"
 supervisor's agent when torch would have worker rank 0 host it (several nodes:
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE). The workers connect to it as clients instead of
 MASTER_ADDR:MASTER_PORT, so that losing any worker, rank 0 included, leaves the store up."""
+ENV_BATCH_POLICY = "RESILIENT_BATCH_POLICY"
+"""How a global batch the loader's batch size cannot split on a new data-parallel degree is
+kept: "exact" (the default) or "follow" (RuntimeConfig.batch_policy; set by `resilient run
+--batch-policy`; resilient/data/policy.py)."""
 ENV_GRACE_S = "RESILIENT_GRACE_S"
 """Seconds from a preemption signal to SIGKILL (set by `resilient run --grace-period`)."""
 ENV_PREEMPT_SIGNALS = "RESILIENT_PREEMPT_SIGNALS"

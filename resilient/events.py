@@ -30,6 +30,7 @@ __all__ = [
     "EXPORT_FAILED",
     "EXPORT_START",
     "EXPORT_VERIFIED",
+    "GRADS_CARRIED",
     "HANG_DETECTED",
     "HANG_TIMEOUTS",
     "HEALTH_CHECK",
@@ -93,6 +94,9 @@ RESUME_DIVERGED = "resume.diverged"
 """A replayed step differed from the earlier attempt: step, differed, likely causes."""
 RESUME_UNVERIFIED = "resume.unverified"
 """A resume that could not be compared (no earlier fingerprints, another world size)."""
+GRADS_CARRIED = "grads.carried"
+"""A non-zero .grad at the first save's step boundary was still there at the next backward
+(resilient/replay/grads.py): step (the save's), param (one such name), held (how many)."""
 REPLAY_UNHOOKED = "replay.unhooked"
 """The tracked model's forward never ran in a step: its inputs go unfingerprinted."""
 # checkpoints

@@ -118,6 +118,11 @@ class HotKeys:
         """Set by rank 0 once the first step of `generation` closed."""
         return f"{self.prefix}/gen_{generation}/stepped"
 
+    def script_store(self, generation: int) -> str:
+        """Set by rank 0: "host:port" of the store it hosts for `generation`'s own process
+        group, the one a script makes itself (hot/script_store.py)."""
+        return f"{self.prefix}/gen_{generation}/script_store"
+
     def replaced(self, generation: int) -> str:
         """Set by the agent: the rank it replaced to start `generation`."""
         return f"{self.prefix}/gen_{generation}/replaced"

@@ -26,11 +26,12 @@ import sys
 import time
 from typing import Any
 
-from resilient.envvars import ENV_GENERATION
+from resilient.envvars import ENV_GENERATION, HotMode
 from resilient.groups.exits import exit_past_teardown
 from resilient.groups.groups import left_generations_behind
 from resilient.hot import carry, reform
 from resilient.hot.recovery import HotRestart, divert_escaped
+from resilient.hot.script_store import point_at_generation_store
 from resilient.runtime.runtime import current
 
 
@@ -107,6 +108,8 @@ def main(argv: list[str]) -> None:
     # without (nothing is leaked: a frozen object is still freed when its refcount drops)
     gc.freeze()
     while True:
+        # a script that makes its own process group gets a fresh store in each hot generation
+        point_at_generation_store(HotMode.from_env().generation)
         try:
             _run(list(argv))
         except HotRestart:

@@ -261,18 +261,20 @@ def build(version: str, target: Path, base: str) -> dict[str, object]:
 
 
 def declared(end: str) -> str:
-    """The floor or the newest release of pyproject.toml's torch range, as X.Y.Z."""
-    from packaging.requirements import Requirement
+    """The floor or the newest tested release, as X.Y.Z: TORCH_FLOOR and TORCH_NEWEST of
+    resilient/_torch_check.py, the one place they are named (read as text: importing the
+    package would import the checkout's torch). pyproject.toml's bound (`<2.16`) names a
+    minor, not the release tested."""
+    import ast
 
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    (req,) = [r for r in map(Requirement, project["dependencies"]) if r.name == "torch"]
-    (spec,) = [s for s in req.specifier if s.operator == (">=" if end == "floor" else "<=")]
-    return ".".join([*spec.version.split("."), "0", "0"][:3])
+    name = "TORCH_FLOOR" if end == "floor" else "TORCH_NEWEST"
+    tree = ast.parse((REPO / "resilient" / "_torch_check.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            name
+        ]:
+            return ".".join(map(str, ast.literal_eval(node.value)))
+    raise SystemExit(f"torch-env: resilient/_torch_check.py names no {name}")
 
 
 def env_dir(version: str) -> Path:

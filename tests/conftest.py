@@ -20,6 +20,12 @@ from typing import Any
 
 import pytest
 from helpers import WORKERS, ForkedCli, Launcher, Result, free_port, guarded_golden_run
+from skipcheck import (  # noqa: F401  (hooks: a skip for an unexpected reason fails the run)
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 from chaos import procs
 from resilient import log

@@ -30,7 +30,6 @@ from chaos.netns import Hosts, netns_unavailable
 from recipes.common.data import build_dataset
 from resilient.data.batches import ResumableBatches
 from resilient.data.position import DataPosition
-from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.mesh import MeshLayout
 
@@ -168,13 +167,80 @@ def test_data_position_keeps_the_global_batch_through_accumulation() -> None:
     pos.apply()
     assert (pos.global_batch, pos.grad_accum) == (8, 2)
     assert b.global_position() == (0, 16)
+
+
+def test_a_global_batch_the_loaders_batch_cannot_split_goes_on_under_either_policy() -> None:
+    """Issue 49: 8 saved on 2 ranks of 4, resumed on 1 rank whose loader yields 3: "exact"
+    keeps 8 in micro-batches of 2 (4 a step, the samples an unchanged run takes), "follow"
+    keeps 3 a micro-batch and trains on 6. Neither refuses."""
+    ds = _dataset()
+    saved = {"world_size": 2, "global_batch": 8, "epoch": 0, "consumed": 16, "micro": 4}
     (c,) = _rank_batches(ds, 1, 3)
-    bad = DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=None)
-    bad.load_state_dict({"world_size": 2, "global_batch": 8, "epoch": 0, "consumed": 16})
-    with pytest.raises(ConfigError, match="does not split"):
-        bad.apply()
-    with pytest.raises(ConfigError, match="does not split"):
-        DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=10)
+    exact = DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=None)
+    exact.load_state_dict(saved)
+    exact.apply()
+    assert (exact.global_batch, exact.effective_batch, exact.micro) == (8, 8, 2)
+    assert exact.grad_accum == 4 and c.batch_size == 2 and c.loader.batch_size == 3
+    order = _expected_order(len(ds))
+    ids = [int(i) for _ in range(exact.grad_accum) for i in next(c)[0]]
+    assert ids == order[16:24]  # the step's 8 samples, exactly an unchanged run's
+    assert c.global_position() == (0, 24)
+    (f,) = _rank_batches(ds, 1, 3)
+    follow = DataPosition(f, MeshLayout.flat(1), 0, None, "follow")
+    follow.load_state_dict(saved)
+    follow.apply()
+    assert (follow.global_batch, follow.effective_batch, follow.micro) == (8, 6, 3)
+    assert follow.grad_accum == 2 and f.batch_size == 3
+    assert [int(i) for _ in range(2) for i in next(f)[0]] == order[16:22]
+    # at start, an explicit global batch the loader's batch cannot split: kept exactly
+    (e,) = _rank_batches(ds, 1, 3)
+    pos = DataPosition(e, layout=MeshLayout.flat(1), rank=0, global_batch_size=10)
+    assert (pos.micro, pos.grad_accum, pos.effective_batch) == (2, 5, 10)
+
+
+def test_a_loop_that_ignores_grad_accum_is_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resilient.data.position as position
+
+    said: list[tuple[str, dict[str, Any]]] = []
+
+    class Log:
+        def info(self, event: str, **kw: Any) -> None:
+            pass
+
+        def warning(self, event: str, **kw: Any) -> None:
+            said.append((event, kw))
+
+    monkeypatch.setattr(position, "get_logger", lambda: Log())
+    (c,) = _rank_batches(_dataset(), 1, 3)
+    pos = DataPosition(c, layout=MeshLayout.flat(1), rank=0, global_batch_size=8)
+    assert (pos.micro, pos.grad_accum) == (2, 4)
+    said.clear()
+    for step in range(3):
+        for _ in range(pos.grad_accum if step == 0 else 1):
+            next(c)
+        pos.step_end(step)
+    assert [e for e, _ in said] == ["data.accum_ignored"]  # step 1, once
+    assert said[0][1]["step"] == 1 and said[0][1]["trained_on"] == 2
+    assert "range(rt.grad_accum)" in said[0][1]["reason"]
+
+
+def test_split_batch_under_each_policy() -> None:
+    from resilient.data.policy import split_batch
+
+    assert split_batch(24, 8, 3, "exact").how == "kept"
+    s = split_batch(24, 8, 2, "exact")
+    assert (s.how, s.micro, s.accum, s.effective) == ("exact", 6, 2, 24)
+    s = split_batch(24, 8, 2, "follow")
+    assert (s.how, s.micro, s.accum, s.effective) == ("follows", 8, 1, 16)
+    s = split_batch(32, 8, 3, "exact")  # 32 has no equal shares on 3 ranks
+    assert (s.how, s.effective) == ("follows", 24) and "equal shares" in s.reason
+    s = split_batch(16, 8, 4, "exact")  # grown: smaller micro-batches keep it
+    assert (s.how, s.micro, s.accum, s.effective) == ("exact", 4, 1, 16)
+    assert split_batch(16, 8, 4, "follow").effective == 32  # follows up, never 0 steps
+    s = split_batch(16, 4, 2, "follow")  # divisible: accumulation keeps it under both
+    assert (s.how, s.accum, s.effective) == ("kept", 2, 16)
+    with pytest.raises(ValueError, match="batch policy"):
+        split_batch(8, 4, 2, "fast")
 
 
 # ---------------------------------------------------------------------- end to end

@@ -68,10 +68,10 @@ def test_a_sampler_sized_by_the_world_under_tp_is_refused_before_step_0() -> Non
 
 
 @pytest.mark.timeout(30)
-def test_a_global_batch_the_dp_degree_cannot_split_is_refused() -> None:
-    mesh = _mesh(1, 2, 2)
-    with pytest.raises(ConfigError, match=r"2 data-parallel ranks \(mesh"):
-        DataPosition(_batches(2, 0), layout=mesh, rank=0, global_batch_size=12)
+def test_a_global_batch_the_dp_degree_cannot_split_is_kept_in_smaller_micro_batches() -> None:
+    mesh = _mesh(1, 2, 2)  # the dp degree counts, not the world: 6 samples a dp rank
+    odd = DataPosition(_batches(2, 0), layout=mesh, rank=0, global_batch_size=12)
+    assert (odd.micro, odd.grad_accum, odd.effective_batch) == (3, 2, 12)
     pos = DataPosition(_batches(2, 0), layout=mesh, rank=0, global_batch_size=16)
     assert pos.grad_accum == 2
 

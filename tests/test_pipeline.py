@@ -191,6 +191,40 @@ def test_stages_that_name_their_layers_alike_are_refused_before_any_save(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pipeline_without_a_mesh_is_refused_at_track_with_the_fix_first(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """Issue 49: a 1F1B loop on 2 stages with global names and no DeviceMesh, as torch's
+    pipelining tutorial writes it. track() sees disjoint parameter names on the two ranks and
+    refuses before step 0, the fix first; exit 80, not restarted, nothing trained or saved."""
+    err = _launch(
+        launcher, tmp_path, 2, "--no-mesh", "--steps=6", restarts=2, code=int(ExitCode.MISMATCH)
+    )
+    assert "ConfigError: pass mesh= with a 'pp' dimension to track()" in err, err[-3000:]
+    assert "rank 0: 4 such as '0.bias'" in err and "rank 1: 4 such as" in err
+    run = tmp_path / "run"
+    assert not run_events(run, "train.progress") and not run_events(run, "step.fingerprint")
+    assert not run_events(run, "ckpt.save.start") and not run_events(run, "runtime.resume")
+    assert not list((tmp_path / "ckpt").glob("step_*"))
+    assert not run_events(run, "restart.decided")  # stopped, not restarted
+    assert run_events(run, "restart.mismatch")
+
+
+@pytest.mark.timeout(30)
+def test_a_save_refusal_never_leads_with_advice_the_loop_already_follows() -> None:
+    from resilient.checkpoint.duplicates import refusal
+
+    groups = refusal(20, {"optim.param_groups.0.params": [0, 1]})
+    assert groups.startswith("Pass the world mesh with a 'pp' dimension to track(mesh=...)")
+    assert "Give each rank's distinct state its own name" not in groups
+    names = refusal(20, {"model.0.weight": [0, 1], "optim.param_groups.0.params": [0, 1]})
+    assert names.startswith("step 20: ranks hold different values under the same name")
+    assert names.index("its own name") < names.index("'pp' dimension")
+    assert "'pp'" not in refusal(3, {"model.0.weight": [0, 1]})
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.extended)])
 def test_a_killed_stage_rank_resumes_cold_bit_for_bit(

@@ -173,8 +173,9 @@ def test_a_loop_that_carries_a_batch_is_reported_on_its_first_resume(tmp_path: P
     assert ev.read_events(run_dir, ev.RESUME_VERIFIED) == []
 
 
-def _check_resume(args: list[str], log: Path) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "resilient.cli", "check-resume", "--nproc-per-node=2", *args]
+def _check_resume(args: list[str], log: Path, own: tuple[str, ...] = ()) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "resilient.cli", "check-resume", *own, "--nproc-per-node=2"]
+    cmd += args
     with Run(cmd, log_path=log) as run:
         rc = run.wait(240)
         return rc, run.output()
@@ -187,6 +188,70 @@ def test_check_resume_fails_on_a_prefetching_loop_and_names_the_cause(tmp_path: 
     assert rc == 1, out[-3000:]
     assert "FAIL: the resumed run diverged at step 3" in out and "prefetched" in out
     assert not list(Path.cwd().glob("checkpoints"))  # nothing outside its scratch directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_resume_says_an_unseeded_script_is_not_deterministic_from_its_start(
+    tmp_path: Path,
+) -> None:
+    """The model built without a seed: the two runs differ at step 0, before any stop. The
+    report says so and names the fixes, and never blames the resume (nor runs it)."""
+    rc, out = _check_resume([str(GPT), "--steps=6", "--unseeded"], tmp_path / "out.log")
+    assert rc == 1, out[-3000:]
+    assert "FAIL: not a resume failure: the two runs differ at step 0" in out, out[-3000:]
+    assert "before the stop at step 3" in out and "not deterministic from its start" in out
+    assert "torch.manual_seed" in out and "use_deterministic_algorithms" in out
+    assert "resumed run diverged" not in out and "3/3 resumed" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_resume_names_gradients_carried_across_steps(tmp_path: Path) -> None:
+    """A loop that never calls zero_grad(): grads.carried at the first save, and check-resume
+    names it first among the likely causes of the divergence after the resume."""
+    keep = tmp_path / "keep"
+    rc, out = _check_resume(
+        [str(GPT), "--steps=6", "--no-zero-grad"], tmp_path / "out.log", ("--keep", str(keep))
+    )
+    assert rc == 1, out[-3000:]
+    assert "FAIL: the resumed run diverged at step" in out, out[-3000:]
+    assert "not a resume failure" not in out
+    assert "likely first:" in out and "grads.carried" in out and "zero_grad()" in out
+    carried = ev.read_events(keep / "straight" / "run", ev.GRADS_CARRIED)
+    assert sorted(e["rank"] for e in carried) == [0, 1]  # once per rank, at the first save
+    assert {e["step"] for e in carried} == {3} and all(e["held"] == 4 for e in carried)
+
+
+def test_grads_zeroed_at_the_start_of_a_step_are_not_carried() -> None:
+    """The one-shot look at the next backward tells a loop that zeroes late (at the start of
+    the step: nothing carried) from one that never zeroes."""
+    from resilient.replay.grads import CarriedGrads
+
+    for zero_at_start, warned in ((True, False), (False, True)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = _Log()
+        carried = CarriedGrads(log)
+        for step in range(3):
+            if zero_at_start:
+                opt.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            carried.at_save(model, step + 1)  # every boundary: it looks at the first only
+        assert [e["event"] for e in log.events] == (["grads.carried"] if warned else [])
+        if warned:
+            assert log.events[0]["step"] == 1 and log.events[0]["held"] == 2
+    # a save before any backward finds no .grad and looks again at the next one
+    model = torch.nn.Linear(3, 1)
+    log = _Log()
+    carried = CarriedGrads(log)
+    carried.at_save(model, 0)
+    for step in range(2):
+        model(torch.ones(2, 3)).sum().backward()
+        carried.at_save(model, step + 1)
+    assert [(e["event"], e["step"]) for e in log.events] == [("grads.carried", 1)]
 
 
 @pytest.mark.slow

@@ -42,23 +42,54 @@ def test_the_installed_torch_is_a_tested_release() -> None:
 
 def test_an_untested_release_fails_naming_the_range_unless_allowed() -> None:
     below = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.0"
-    above = f"{TORCH_NEWEST[0]}.{TORCH_NEWEST[1] + 1}.0"
     nightly = ".".join(map(str, TORCH_NEWEST)) + "a0+git1234567"
-    for version in (below, above, above + "+cu130", nightly, "not a version"):
+    for version in (below, below + "+cu130", nightly, "not a version"):
         with pytest.raises(TorchCompatError) as err:
             check_release(version)
         assert version in str(err.value) and TESTED_RANGE in str(err.value)
         assert "RESILIENT_UNTESTED_TORCH=1" in str(err.value)
         with pytest.warns(RuntimeWarning, match="Running anyway"):
             check_release(version, allow_untested=True)
-    for version in TESTED_RELEASES:
-        check_release(version)
-        check_release(version + "+cu130")
+
+
+def test_every_patch_of_a_tested_minor_is_accepted_silently() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for version in TESTED_RELEASES:
+            major, minor, _ = version.split(".")
+            for patch in (0, 1, 2, 9):
+                check_release(f"{major}.{minor}.{patch}")
+                check_release(f"{major}.{minor}.{patch}+cu130")
+
+
+def test_a_newer_minor_warns_and_is_not_refused() -> None:
+    above = f"{TORCH_NEWEST[0]}.{TORCH_NEWEST[1] + 1}"
+    for version in (above + ".0", above + ".2+cu130", f"{TORCH_NEWEST[0] + 1}.0.0"):
+        with pytest.warns(RuntimeWarning, match="newer minor release than the newest tested") as w:
+            check_release(version)
+        assert ".".join(map(str, TORCH_NEWEST)) in str(w[0].message)
+
+
+def test_torch_env_reads_the_newest_tested_release_from_the_one_place() -> None:
+    import sys
+    from pathlib import Path
+
+    scripts = str(Path(__file__).parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import torch_env
+    finally:
+        sys.path.remove(scripts)
+    assert torch_env.declared("newest") == ".".join(map(str, TORCH_NEWEST))
+    assert torch_env.declared("floor") == ".".join(map(str, TORCH_FLOOR))
 
 
 def test_pyproject_declares_the_tested_range() -> None:
     """pip's reading of pyproject.toml's torch requirement and check_release agree on every
-    tested release, the next patch and minor releases and the one below the floor."""
+    tested release, the next patch releases and the one below the floor; the next minor is
+    outside pip's bound and only warned about by check_release."""
     from pathlib import Path
 
     from packaging.requirements import Requirement
@@ -76,16 +107,18 @@ def test_pyproject_declares_the_tested_range() -> None:
     newest = f"{major}.{minor}.{patch}"
     assert TESTED_RELEASES[-1] == newest
     assert TESTED_RELEASES[0] == ".".join(map(str, TORCH_FLOOR))
-    outside = [f"{major}.{minor}.{patch + 1}", f"{major}.{minor + 1}.0"]
-    outside.append(f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.0")
-    for version in [*TESTED_RELEASES, newest + "+cu130", *outside]:
+    patches = [f"{major}.{minor}.{patch + 1}", f"{major}.{minor}.{patch + 1}+cu130"]
+    below = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.0"
+    for version in [*TESTED_RELEASES, newest + "+cu130", *patches, below]:
         pip_says = torch_req.specifier.contains(version)
         try:
             check_release(version)
             we_say = True
         except TorchCompatError:
             we_say = False
-        assert pip_says == we_say == (version not in outside), version
+        assert pip_says == we_say == (version != below), version
+    assert not torch_req.specifier.contains(f"{major}.{minor + 1}.0")
+    assert not torch_req.specifier.contains(f"{major}.{minor + 1}.0rc1")
 
 
 @pytest.mark.parametrize(

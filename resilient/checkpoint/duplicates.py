@@ -119,23 +119,36 @@ def divergent(every: list[dict[str, str]]) -> dict[str, list[int]]:
 
 
 def refusal(step: int, found: dict[str, list[int]]) -> str:
-    """The error's text for `divergent`'s findings."""
+    """The error's text for `divergent`'s findings: the fix that fits what differs comes
+    first. Only an optimizer's param_groups differing (the model's names already apart, as
+    pipeline stages with global names have them) leads with the mesh; model values under one
+    name lead with the names."""
     keys = sorted(found)
     said = "; ".join(f"{k} (ranks {found[k][:6]})" for k in keys[:8])
     more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
-    hint = ""
-    if any(k.startswith("optim.param_groups.") for k in keys):
-        hint = (
-            " An optimizer's param_groups that differ between ranks mean each rank optimizes "
-            "other parameters, as pipeline stages do: pass the world mesh with a 'pp' "
-            "dimension to track(mesh=...), so the optimizer state is saved per parameter."
-        )
-    return (
+    what = (
         f"step {step}: ranks hold different values under the same name, which a checkpoint "
         f"would keep only one of (DCP saves a plain tensor or value that several ranks hold "
-        f"once): {said}{more}; nothing was written. Give each rank's distinct state its own "
-        "name: pipeline stages keep the whole model's module names and hold only their own "
-        "layers (replace the other stages' layers by nn.Identity(), or delete them from an "
-        "nn.ModuleDict), and sharded state is a DTensor. Replicas (DDP) must hold the same "
-        f"bits: a difference there is a bug in the loop.{hint} See docs/checkpoints.md#same-name."
+        f"once): {said}{more}; nothing was written."
     )
+    names = (
+        "Give each rank's distinct state its own name: pipeline stages keep the whole model's "
+        "module names and hold only their own layers (replace the other stages' layers by "
+        "nn.Identity(), or delete them from an nn.ModuleDict), and sharded state is a DTensor. "
+        "Replicas (DDP) must hold the same bits: a difference there is a bug in the loop."
+    )
+    groups = [k for k in keys if k.startswith("optim.param_groups.")]
+    if groups and not any(k.startswith("model.") for k in keys):
+        return (
+            "Pass the world mesh with a 'pp' dimension to track(mesh=...): the ranks' "
+            "optimizers hold other parameters, as pipeline stages do, and with the mesh their "
+            f"state is saved per parameter. {what} See docs/porting.md#pipelines."
+        )
+    mesh = (
+        " Then pass the world mesh with a 'pp' dimension to track(mesh=...): an optimizer's "
+        "param_groups that differ between ranks mean each rank optimizes other parameters, "
+        "as pipeline stages do."
+        if groups
+        else ""
+    )
+    return f"{what} {names}{mesh} See docs/checkpoints.md#same-name."

@@ -40,6 +40,29 @@ class ResumableBatches:
         """The loader's generator as saved, to restore once a resumed iterator has begun."""
         self._pending_loader: dict[str, Any] | None = None
         """The loader state loaded but not yet resumed (no batch drawn since the load)."""
+        self._micro: int | None = None
+        """The batch size the batch sampler was set to (batch policy "exact"), if another."""
+        self.drawn = 0
+        """Batches handed out by this process (never saved): DataPosition counts them a step."""
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per batch this loader yields now: its own batch_size, or the micro-batch
+        size the batch policy set (set_batch_size)."""
+        own = getattr(self.loader, "batch_size", None)
+        return self._micro or (int(own) if own else None)
+
+    def set_batch_size(self, size: int) -> bool:
+        """Make the loader's batch sampler yield `size` samples a batch from its next
+        iterator on (the sampler's order is untouched). False when it cannot: no batch
+        sampler with a batch_size."""
+        sampler = getattr(self.loader, "batch_sampler", None)
+        if sampler is None or not isinstance(getattr(sampler, "batch_size", None), int):
+            return False
+        sampler.batch_size = size
+        own = getattr(self.loader, "batch_size", None)
+        self._micro = None if size == own else size
+        return True
 
     def _samplers(self) -> list[Any]:
         return [
@@ -84,6 +107,7 @@ class ResumableBatches:
             raise
         self._restore_generator()
         self._taken += 1
+        self.drawn += 1
         return batch
 
     def _generator(self) -> torch.Generator | None:
@@ -99,6 +123,12 @@ class ResumableBatches:
         if gen is not None and state is not None:
             gen.set_state(state)
         self._generator_state = None
+
+    def taken_in_epoch(self) -> int:
+        """Batches this rank took from the current epoch so far (after a resume, those of
+        the stopped run included)."""
+        batch_size = getattr(self.loader, "batch_size", None)
+        return (self._start // batch_size if batch_size else self._start) + self._taken
 
     def end_epoch(self) -> None:
         """Leave the current epoch (whatever is left of it); the next batch starts the next."""
@@ -172,7 +202,7 @@ class ResumableBatches:
         seed, and a fixed batch_size. Computed when asked (a fault), never per step."""
         from torch.utils.data.distributed import DistributedSampler
 
-        batch_size = getattr(self.loader, "batch_size", None)
+        batch_size = self.batch_size
         first = self._start // batch_size if batch_size else self._start
         out: dict[str, Any] = {"epoch": self.epoch, "batch": first + self._taken - 1}
         sampler = self._distributed_sampler()
@@ -187,7 +217,7 @@ class ResumableBatches:
         """(epoch, samples all ranks consumed in it), or None when the loader cannot tell
         (no repositionable DistributedSampler, or no fixed batch_size)."""
         sampler = self._distributed_sampler()
-        batch_size = getattr(self.loader, "batch_size", None)
+        batch_size = self.batch_size
         if sampler is None or not batch_size:
             return None
         per_rank = self._start + self._taken * int(batch_size)
@@ -210,6 +240,12 @@ class ResumableBatches:
         self._pending_loader = None
         self._start, self._taken = consumed // world, 0
         self._seek_sampler(self._start)
+
+    def drop_loaded_state(self) -> None:
+        """Forget the loader state loaded from a checkpoint (a StatefulDataLoader resumes it at
+        its next iterator): after `seek`, when that state was saved with another batch size."""
+        if getattr(self.loader, "next_iter_state", None) is not None:
+            self.loader.next_iter_state = None
 
     def _seek_sampler(self, per_rank: int) -> None:
         sampler = self._distributed_sampler()

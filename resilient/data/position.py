@@ -9,7 +9,10 @@ data-parallel ranks consumed in it together (batches.py explains why that number
 a DistributedSampler), plus the global batch size. After loading on dp' data-parallel ranks
 each rank's sampler continues at consumed / dp', and the number of micro-batches per
 optimizer step becomes global_batch / (per-rank batch * dp'), so every step still sees the
-same samples a run that never changed shape would see.
+same samples a run that never changed shape would see. When the loader's batch size cannot
+split the global batch on dp' ranks, the user's batch policy decides (data/policy.py): "exact"
+feeds micro-batches of another size, "follow" lets the global batch follow the world; either
+way the run goes on, never a ConfigError after a node change.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from resilient.data.batches import ResumableBatches
+from resilient.data.policy import DEFAULT_POLICY, Split, split_batch
 from resilient.errors import ConfigError
 from resilient.log import get_logger
 from resilient.mesh import MeshLayout
@@ -37,6 +41,7 @@ class DataPosition:
         layout: MeshLayout,
         rank: int,
         global_batch_size: int | None,
+        policy: str = DEFAULT_POLICY,
     ) -> None:
         self.batches = batches
         self.layout = layout
@@ -47,8 +52,15 @@ class DataPosition:
         if global_batch_size is not None and global_batch_size < 1:
             raise ConfigError(f"global_batch_size must be >= 1, got {global_batch_size}")
         check_sampler(batches, layout, rank)
+        self.policy = policy
         self.global_batch = global_batch_size or (self.per_rank_batch * self.dp or None)
+        """The global batch the run keeps where it can (saved; explicit or B x dp at start)."""
+        self.effective_batch = self.global_batch
+        """The global batch steps train on now: global_batch unless it follows the world."""
+        self.micro = self.per_rank_batch
+        """Samples per micro-batch on each rank now."""
         self._loaded: dict[str, Any] | None = None
+        self._drawn, self._told = batches.drawn, False
         self.grad_accum = self._accum(self.global_batch)
 
     def _where(self) -> str:
@@ -57,16 +69,81 @@ class DataPosition:
         return f"{self.dp} data-parallel ranks (mesh {self.layout.describe()})"
 
     def _accum(self, global_batch: int | None) -> int:
+        """Micro-batches per step for `global_batch` on this dp degree, under the policy;
+        sets the loader's micro-batch size when "exact" needs another one, and logs a
+        change of the micro-batch size or of the global batch (one event)."""
         if global_batch is None or not self.per_rank_batch:
             return 1
-        per_step = self.per_rank_batch * self.dp
-        if global_batch % per_step:
-            raise ConfigError(
-                f"global batch {global_batch} does not split into micro-batches of "
-                f"{self.per_rank_batch} samples on {self._where()}: pick a per-rank "
-                f"batch size or data-parallel degree whose product divides {global_batch}"
+        split = split_batch(global_batch, self.per_rank_batch, self.dp, self.policy)
+        if split.micro != self.micro and not self.batches.set_batch_size(split.micro):
+            why = "the loader has no batch sampler whose batch size can change"
+            split = split_batch(global_batch, self.per_rank_batch, self.dp, "follow")
+            split = Split(split.micro, split.accum, split.effective, split.how, why)
+        self.micro, self.effective_batch = split.micro, split.effective
+        log = get_logger()
+        said, self._said = getattr(self, "_said", None), split
+        if said == split:  # a rollback or a second load: said once
+            return split.accum
+        if split.how == "kept":  # what `resilient run` reads for its start-up table
+            log.info(
+                "data.batch",
+                global_batch=global_batch,
+                dp=self.dp,
+                world_size=self.world_size,
+                per_rank_batch=self.per_rank_batch,
+                grad_accum=split.accum,
+                policy=self.policy,
             )
-        return global_batch // per_step
+        elif split.how == "exact":
+            log.warning(
+                "data.batch_exact",
+                world_size=self.world_size,
+                global_batch=global_batch,
+                dp=self.dp,
+                per_rank_batch=self.per_rank_batch,
+                micro_batch=split.micro,
+                grad_accum=split.accum,
+                policy=self.policy,
+                bitwise=False,
+                reason=f"the loader's batch of {self.per_rank_batch} does not split the "
+                f"global batch on {self._where()}: the same samples every step in micro-"
+                f"batches of {split.micro}, the loss weighted by samples; the gradients add "
+                "in another order, so the bits differ from this step on",
+            )
+        elif split.how == "follows":
+            log.warning(
+                "data.batch_follows",
+                world_size=self.world_size,
+                old_global_batch=global_batch,
+                new_global_batch=split.effective,
+                dp=self.dp,
+                per_rank_batch=self.per_rank_batch,
+                grad_accum=split.accum,
+                policy=self.policy,
+                reason=split.reason,
+            )
+        return split.accum
+
+    def step_end(self, step: int) -> None:
+        """After each step: one warning (`data.accum_ignored`) when the loop took some of the
+        tracked loader's batches, but fewer than `grad_accum`: it does not loop over
+        rt.grad_accum, so the global batch is not kept (the data position still is)."""
+        drawn, self._drawn = self.batches.drawn - self._drawn, self.batches.drawn
+        if self._told or not 0 < drawn < self.grad_accum:
+            return
+        self._told = True
+        get_logger().warning(
+            "data.accum_ignored",
+            step=step,
+            batches=drawn,
+            grad_accum=self.grad_accum,
+            global_batch=self.effective_batch,
+            trained_on=drawn * self.micro * self.dp,
+            reason=f"step {step} took {drawn} of the {self.grad_accum} batches rt.grad_accum "
+            f"asks for: it trained on {drawn * self.micro * self.dp} samples, not the global "
+            f"batch of {self.effective_batch}. Loop `for _ in range(rt.grad_accum)` over "
+            "next(batches) (docs/porting.md#elastic-world-size)",
+        )
 
     # ------------------------------------------------------------------ Stateful
     def state_dict(self) -> dict[str, Any]:
@@ -76,12 +153,17 @@ class DataPosition:
             "layout": self.layout.signature(),
             "dp": self.dp,
             "global_batch": self.global_batch,
+            "micro": self.micro,
             "epoch": pos[0] if pos is not None else None,
             "consumed": pos[1] if pos is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loaded = dict(state)  # applied in apply(): the per-rank state loads after us
+        if self._explicit is None and state.get("global_batch"):
+            self.global_batch = int(state["global_batch"])
+        # now, before the loader's own state loads: its batches are counted in this size
+        self.grad_accum = self._accum(self.global_batch)
 
     # ------------------------------------------------------------------ after a load
     def apply(self) -> None:
@@ -93,18 +175,16 @@ class DataPosition:
         if saved is None:
             return
         log = get_logger()
-        if self._explicit is None and saved.get("global_batch"):
-            self.global_batch = int(saved["global_batch"])
-        elif self._explicit is not None and saved.get("global_batch") not in (None, self._explicit):
+        if self._explicit is not None and saved.get("global_batch") not in (None, self._explicit):
             log.warning(
                 "data.global_batch_changed",
                 saved=saved.get("global_batch"),
                 now=self._explicit,
             )
-        self.grad_accum = self._accum(self.global_batch)
         old_world = int(saved.get("world_size") or self.world_size)
         change = self.layout.change_from(str(saved.get("layout") or ""), old_world)
-        if change == "same":
+        same_micro = int(saved.get("micro") or self.per_rank_batch) == self.micro
+        if change == "same" and same_micro:
             return  # every rank got its own loader state back
         old_dp = int(saved.get("dp") or old_world)
         if saved.get("consumed") is None:
@@ -122,6 +202,8 @@ class DataPosition:
             self.batches.seek(int(saved["epoch"]), int(saved["consumed"]))
         except ValueError as e:
             raise ConfigError(f"cannot resume the data position on {self._where()}: {e}") from e
+        if change == "same":  # its own loader state counts batches of another size
+            self.batches.drop_loaded_state()
         log.warning(
             "data.reshard",
             saved_world_size=old_world,
@@ -131,6 +213,8 @@ class DataPosition:
             epoch=int(saved["epoch"]),
             consumed=int(saved["consumed"]),
             global_batch=self.global_batch,
+            effective_batch=self.effective_batch,
+            micro_batch=self.micro,
             grad_accum=self.grad_accum,
         )
 

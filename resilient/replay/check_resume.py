@@ -7,13 +7,18 @@ own are never touched: $RESILIENT_CHECK_SCRATCH overrides what it passes to init
 2. stopped after N/2 steps with a committed checkpoint ($RESILIENT_STOP_AT), then launched
    again: it resumes there and runs to N.
 
-Then it compares, rank by rank, the per-step fingerprints (the first forward inputs of each
-step, and the loss when the script calls rt.observe(loss=...)) of the resumed steps with the
-straight run's, and the final state's sha256 ($RESILIENT_FINAL_DIGEST). It prints PASS, or
-the first step that differs, what differed and the likely causes; exit code 0 on PASS, 1 on a
-divergence, 2 when the check could not run (bad usage, a run failed). While a run goes, its
-progress (rank 0's newest step, from its event log) and then the comparison's go to
-`progress` (the command line's status line on stderr, resilient/live/status.py).
+Before the resume it compares the stopped run's steps before the stop with the straight run's:
+if they already differ, the script is not deterministic from its start (an unseeded model,
+nondeterministic kernels) and the report says so, with the usual fixes, instead of blaming
+the resume. Then it compares, rank by rank, the per-step fingerprints (the first forward
+inputs of each step, and the loss when the script calls rt.observe(loss=...)) of the resumed
+steps with the straight run's, and the final state's sha256 ($RESILIENT_FINAL_DIGEST). It
+prints PASS, or the first step that differs, what differed and the likely causes (first
+gradients carried across steps, when a run logged `grads.carried`: resilient/replay/grads.py);
+exit code 0 on PASS, 1 on a divergence, 2 when the check could not run (bad usage, a run
+failed). While a run goes, its progress (rank 0's newest step, from its event log) and then
+the comparison's go to `progress` (the command line's status line on stderr,
+resilient/live/status.py).
 """
 
 from __future__ import annotations
@@ -33,9 +38,17 @@ from typing import Protocol
 
 from resilient import events as ev
 from resilient.envvars import ENV_FINAL_DIGEST, ENV_SCRATCH, ENV_STOP_AT
-from resilient.replay.compare import CAUSES, compare, fingerprints
+from resilient.replay.compare import CAUSES, Divergence, compare, fingerprints
+from resilient.replay.grads import ADVICE as GRADS_ADVICE
 
 __all__ = ["main"]
+
+NOT_DETERMINISTIC = (
+    "the script is not deterministic from its start, so no resume can match it: seed every "
+    "RNG before the model is built (torch.manual_seed(seed) on every rank, and the loader's "
+    "generator=), and turn on deterministic kernels (torch.use_deterministic_algorithms(True); "
+    "on a GPU also CUBLAS_WORKSPACE_CONFIG=:4096:8, docs/porting.md#gpu-determinism)"
+)
 
 _USAGE = (
     "usage: resilient check-resume [--steps N] [--keep DIR] [--timeout S] [torchrun flags] "
@@ -219,6 +232,12 @@ def check(args: _Args, work: Path, progress: Progress | None = None) -> int:
     tick = _ticker(progress, "2/3 run to the stop", resumed / "run", half)
     if (rc := _launch(cmd, resumed, half, log, args.timeout_s, tick)) != 0:
         return _failed_run("the run stopped halfway", rc, log)
+    ranks = sorted({int(e["rank"]) for e in ev.read_events(straight / "run", ev.RUNTIME_INIT)})
+    early = _first_divergence(straight / "run", resumed / "run", ranks, progress, last=False)
+    if early[1] is not None:
+        if progress is not None:
+            progress.clear_for_others()
+        return _not_deterministic(early[1], half)
     _say(progress, f"  3/3 resumed from step {half} ...")
     tick = _ticker(progress, "3/3 resumed run", resumed / "run", n)
     if (rc := _launch(cmd, resumed, n, log, args.timeout_s, tick)) != 0:
@@ -230,26 +249,17 @@ def check(args: _Args, work: Path, progress: Progress | None = None) -> int:
             f"(it logged {again}): does the script pass its checkpoint location to init()?",
         )
         return 1
-    ranks = sorted({int(e["rank"]) for e in ev.read_events(straight / "run", ev.RUNTIME_INIT)})
-    compared, first = 0, None
-    for i, r in enumerate(ranks):
-        if progress is not None:
-            progress.show(f"comparing rank {i + 1} of {len(ranks)}: {compared} step(s) compared")
-        before = fingerprints(ev.read_events(straight / "run", rank=r))
-        after = fingerprints(_last_launch(resumed / "run", r))
-        k, div = compare(before, after, rank=r)
-        compared += k
-        if div is not None and (first is None or div.step < first.step):
-            first = div
+    compared, first = _first_divergence(straight / "run", resumed / "run", ranks, progress)
     if progress is not None:
         progress.clear_for_others()  # the verdict's lines follow
     d_straight = _digest(_last_launch(straight / "run", 0))
     d_resumed = _digest(_last_launch(resumed / "run", 0))
+    carried = _carried(straight / "run", resumed / "run")
     if first is not None:
         print(
             f"FAIL: the resumed run diverged at step {first.step} on rank {first.rank}: the "
             f"{first.differed} differ from the straight run's ({first.before} straight, "
-            f"{first.now} resumed; resumed at step {half} of {n}):\n  {first.causes}"
+            f"{first.now} resumed; resumed at step {half} of {n}):\n  {carried}{first.causes}"
         )
         return 1
     if d_straight is None or d_resumed is None:
@@ -259,7 +269,8 @@ def check(args: _Args, work: Path, progress: Progress | None = None) -> int:
         print(
             f"FAIL: every step's inputs{' and loss' if compared else ''} matched "
             f"({compared} step(s) on {len(ranks)} rank(s)), but the final state differs "
-            f"({str(d_straight)[:12]} straight, {str(d_resumed)[:12]} resumed): {CAUSES['loss']}"
+            f"({str(d_straight)[:12]} straight, {str(d_resumed)[:12]} resumed): "
+            f"{carried}{CAUSES['loss']}"
         )
         return 1
     print(
@@ -268,6 +279,49 @@ def check(args: _Args, work: Path, progress: Progress | None = None) -> int:
         "identical to the straight run"
     )
     return 0
+
+
+def _first_divergence(
+    straight: Path, stopped: Path, ranks: list[int], progress: Progress | None, *, last: bool = True
+) -> tuple[int, Divergence | None]:
+    """(steps compared, the earliest divergence over the ranks) between the straight run and
+    the stopped run's newest launch (`last`: the resumed steps) or its whole log (the steps
+    before the stop: both runs started from nothing, so any difference is the script's)."""
+    compared, first = 0, None
+    for i, r in enumerate(ranks):
+        if progress is not None:
+            progress.show(f"comparing rank {i + 1} of {len(ranks)}: {compared} step(s) compared")
+        before = fingerprints(ev.read_events(straight, rank=r))
+        after = fingerprints(_last_launch(stopped, r) if last else ev.read_events(stopped, rank=r))
+        k, div = compare(before, after, rank=r)
+        compared += k
+        if div is not None and (first is None or div.step < first.step):
+            first = div
+    return compared, first
+
+
+def _not_deterministic(div: Divergence, half: int) -> int:
+    print(
+        f"FAIL: not a resume failure: the two runs differ at step {div.step} on rank "
+        f"{div.rank}, before the stop at step {half}, with nothing resumed yet: the "
+        f"{div.differed} differ ({div.before} in the first run, {div.now} in the second). "
+        f"The resume was not checked:\n  {NOT_DETERMINISTIC}"
+    )
+    return 1
+
+
+def _carried(*runs: Path) -> str:
+    """The likely cause to name first when a run logged grads.carried, else ""."""
+    for run in runs:
+        found = ev.read_events(run, ev.GRADS_CARRIED)
+        if found:
+            e = found[0]
+            return (
+                f"likely first: {e.get('held')} parameter(s) held a non-zero .grad at the step "
+                f"boundary of step {e.get('step')} (e.g. {e.get('param')}) that the next step "
+                f"added to (grads.carried, rank {e.get('rank')}): {GRADS_ADVICE}.\n  Else: "
+            )
+    return ""
 
 
 def _failed_run(what: str, rc: int, log: Path) -> int:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.checkpoint import CheckpointConfig
-from resilient.envvars import ENV_CHECKPOINT_DIR, ENV_SCRATCH
+from resilient.data.policy import BATCH_POLICIES, DEFAULT_POLICY
+from resilient.envvars import ENV_BATCH_POLICY, ENV_CHECKPOINT_DIR, ENV_SCRATCH
 from resilient.errors import ConfigError
 from resilient.hang.config import WatchdogConfig
 from resilient.memory.snapshot import SnapshotConfig
@@ -66,6 +67,14 @@ class RuntimeConfig:
     gradient-ready order, so on 3 or more ranks the step after a resume sums in another order
     and the run is no longer bit-exact. False keeps DDP's own layout: more communication
     overlaps the backward pass on large models (resilient.groups.ddp)."""
+    batch_policy: str = field(
+        default_factory=lambda: os.environ.get(ENV_BATCH_POLICY) or DEFAULT_POLICY
+    )
+    """When the loader's batch size cannot split the global batch on a new data-parallel
+    degree (a node lost from three): "exact" keeps the global batch in micro-batches of
+    another size (sample-exact, not bitwise), "follow" keeps the per-rank batch and lets the
+    global batch follow the world (docs/operating.md#elastic-world-size). Default:
+    $RESILIENT_BATCH_POLICY (`resilient run --batch-policy`), else "exact"."""
     init_from: str | None = None
     """Initial weights for a run that has no checkpoint of its own yet: a resilient checkpoint
     location (of another run; a `step_*` directory, or `init_step`, picks the step), a Hugging
@@ -82,6 +91,11 @@ class RuntimeConfig:
     starts at 0 whatever is taken: it is a new run."""
 
     def __post_init__(self) -> None:
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ConfigError(
+                f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got "
+                f"{self.batch_policy!r}"
+            )
         self.init_exclude = tuple(self.init_exclude)
         self.init_with = tuple(self.init_with)
         bad = set(self.init_with) - set(INIT_PARTS)

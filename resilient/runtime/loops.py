@@ -269,6 +269,8 @@ class Loops:
         self._numeric.closed(step)
         self._progress.end(step)  # train.progress: what `resilient report` reads
         self._fp.end(step)  # step.fingerprint, and the replay check after a resume
+        if self._data is not None and self._epoch_loop is None:  # steps(): data.accum_ignored
+            self._data.step_end(step)  # when it took fewer batches than rt.grad_accum
         self.step = step + 1
         self.watchdog.step_end(self.step)  # tightens timeouts; barrier every N
         saved = (end is None or self.step < end) and self._should_save()
@@ -307,18 +309,8 @@ class Loops:
         self.checkpoints.wait()
 
     def _set_policy(self, every_steps: Any, every_seconds: Any, every_epochs: int | None) -> None:
-        if every_steps is _KEEP and every_seconds is _KEEP and every_epochs is None:
-            every_steps, every_seconds = (
-                self.config.save_every_steps,
-                self.config.save_every_seconds,
-            )
-        every_steps = None if every_steps is _KEEP else every_steps
-        every_seconds = None if every_seconds is _KEEP else every_seconds
-        if every_steps is not None and every_steps < 1:
-            raise ConfigError(f"save_every_steps must be >= 1 or None, got {every_steps}")
-        if every_seconds is not None and every_seconds <= 0:
-            raise ConfigError(f"save_every_seconds must be > 0 or None, got {every_seconds}")
-        self._every_steps, self._every_seconds = every_steps, every_seconds
+        policy = _save_policy(self.config, every_steps, every_seconds, every_epochs)
+        self._every_steps, self._every_seconds = policy
 
     def observe(self, *, loss: Any = None) -> None:
         """Hand over this step's loss (a tensor or a number; summed over several calls in a
@@ -344,6 +336,22 @@ class Loops:
                 dist.broadcast_object_list(box, src=0, group=self.ctx.control_group)
                 due = bool(box[0])
         return due
+
+
+def _save_policy(
+    config: RuntimeConfig, every_steps: Any, every_seconds: Any, every_epochs: int | None
+) -> tuple[int | None, float | None]:
+    """(save every N steps, every S seconds) of a loop: its own arguments, or init()'s when
+    it gave none (Loops._set_policy)."""
+    if every_steps is _KEEP and every_seconds is _KEEP and every_epochs is None:
+        every_steps, every_seconds = config.save_every_steps, config.save_every_seconds
+    every_steps = None if every_steps is _KEEP else every_steps
+    every_seconds = None if every_seconds is _KEEP else every_seconds
+    if every_steps is not None and every_steps < 1:
+        raise ConfigError(f"save_every_steps must be >= 1 or None, got {every_steps}")
+    if every_seconds is not None and every_seconds <= 0:
+        raise ConfigError(f"save_every_seconds must be > 0 or None, got {every_seconds}")
+    return every_steps, every_seconds
 
 
 class _EpochLoop:

@@ -7,7 +7,6 @@ newest valid checkpoint, saving, and the coordinated stop on preemption. The loo
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -25,12 +24,7 @@ from resilient.data.batches import ResumableBatches
 from resilient.data.position import DataPosition
 from resilient.envvars import HotMode, parse_signals
 from resilient.errors import ConfigError
-from resilient.groups.groups import (
-    DistContext,
-    abandon_distributed,
-    init_distributed,
-    shutdown_distributed,
-)
+from resilient.groups.groups import DistContext, init_distributed, shutdown_distributed
 from resilient.guard.guard import Guard
 from resilient.guard.microbatch import MicroBatch
 from resilient.hang.phases import Phase
@@ -42,6 +36,7 @@ from resilient.numeric.detect import NumericWatch
 from resilient.preempt.loader_workers import shield_workers
 from resilient.preempt.watch import PreemptionWatch
 from resilient.replay.fingerprint import StepFingerprints
+from resilient.replay.grads import CarriedGrads
 from resilient.runtime import wiring
 from resilient.runtime.config import RuntimeConfig, build_config
 from resilient.runtime.errorfile import install_excepthook
@@ -144,6 +139,7 @@ class Runtime(Loops):
         self._data: DataPosition | None = None
         self.layout = MeshLayout.flat(self.ctx.world_size)  # the mesh by role, set in track()
         self._fp = StepFingerprints(self.log, world=self.ctx.world_size)
+        self._carried = CarriedGrads(self.log)  # grads.carried: .grad across a step boundary
         self.numeric = NumericWatch(config.numeric, self.ctx)  # numerical faults (numeric/)
         self._numeric = NumericResponse(self)
         self._init_loops()  # resilient/runtime/loops.py
@@ -225,7 +221,9 @@ class Runtime(Loops):
             shield_workers(loader, parse_signals(",".join(self.config.preempt.signals)))
             per_rank["loader"] = self._batches
             # world-size-independent position + global batch, for elastic resume
-            self._data = DataPosition(self._batches, self.layout, self.rank, global_batch_size)
+            self._data = DataPosition(
+                self._batches, self.layout, self.rank, global_batch_size, self.config.batch_policy
+            )
             common["__data__"] = self._data
         per_rank["__loss_mean__"] = self.numeric.loss_mean  # spike detection's running mean
         self.state = TrainState(model=model, optimizer=optimizer, common=common, per_rank=per_rank)
@@ -284,25 +282,7 @@ class Runtime(Loops):
         self._abandoned = True
         if _current is self:
             _current = None
-        self.watchdog.stop(barrier=False)
-        self.preemption.uninstall()
-        self._uninstall_excepthook()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-        # a save or replica exchange that lost the peer fails (one on a leaver's: cut loose)
-        if not wiring.drain(drain_s, self.checkpoints.wait, self.watchdog):
-            return False
-        replicas = self.snapshots.replicas
-        if replicas is not None and not wiring.drain(drain_s, replicas.wait, self.watchdog):
-            return False
-        if self._saved_step is not None and self.checkpoints.last_committed != self._saved_step:
-            self.lost_save = self._saved_step
-        with contextlib.suppress(BaseException):
-            self.checkpoints.close()
-        abandon_distributed(self.ctx, None if replicas is None else replicas.group)
-        return True
+        return wiring.abandon(self, drain_s)  # threads, hooks, a save in flight, the groups
 
     def save(self, *, blocking: bool | None = None) -> None:
         """Checkpoint the tracked state at the current step (async unless configured)."""
@@ -314,6 +294,7 @@ class Runtime(Loops):
         t0 = time.perf_counter()
         with self.watchdog.phase(Phase.CHECKPOINT):
             self.checkpoints.save(self.state, self.step, blocking=blocking)
+        self._carried.at_save(self.state.model, self.step)  # the first save only
         if sync:  # what a final save on preemption will take
             self.preemption.note_save(time.perf_counter() - t0)
 
@@ -326,14 +307,18 @@ class Runtime(Loops):
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step that keep the global batch on this data-parallel
         degree (1 unless the run resumed on fewer data-parallel ranks, or track() got a
-        global_batch_size). Read it inside the loop: it is known once steps() resumed."""
+        global_batch_size). Where the loader's batch cannot split it, the batch policy
+        decides: smaller micro-batches ("exact") or a global batch that follows the world
+        ("follow"; docs/operating.md#batch-policy). Read it inside the loop: it is known once
+        steps() resumed."""
         if not self._resumed:
             self.resume()
         return self._data.grad_accum if self._data is not None else 1
 
     @property
     def global_batch_size(self) -> int | None:
-        return self._data.global_batch if self._data is not None else None
+        """The global batch the steps train on now (it follows the world under "follow")."""
+        return self._data.effective_batch if self._data is not None else None
 
     def close(self) -> None:
         """Wait for saves, leave the process groups. Safe to call twice."""

@@ -5,10 +5,16 @@ state dict is the model's, less the other stages' keys (docs/porting.md#pipeline
 rank of one stage (its data-parallel and tensor-parallel peers) must hold the same keys, and
 two stages must not both hold one: either would be a split that differs between ranks of one
 attempt, and its checkpoint would hold a layer twice or not at all.
+
+A pipeline needs a mesh with a `pp` dimension to say so. Without one (torch's pipelining
+tutorial builds none), ranks whose parameter names fall into disjoint sets, none held by two
+of the sets, are a pipeline split: `track()` refuses it before step 0 with that fix first, not
+at the first save after the steps ran (`unmeshed_split`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from resilient.errors import ConfigError
 from resilient.mesh import MeshLayout
 
-__all__ = ["agree_split", "check_split", "even_micro_batches", "stage_of"]
+__all__ = ["agree_split", "check_split", "even_micro_batches", "stage_of", "unmeshed_split"]
 
 
 def stage_of(layout: MeshLayout, rank: int) -> int:
@@ -40,12 +46,47 @@ def agree_split(model: nn.Module | None, layout: MeshLayout, ctx: Any, log: Any)
     loss: a later stage's first forward in each process is torch's shape inference on
     uninitialised tensors (PipelineStage without input_args), not the step's activations."""
     if layout.size("pp") <= 1:
+        if model is not None and ctx.distributed:
+            unmeshed_split(model, ctx.checkpoint_group)
         return None
     stage = stage_of(layout, ctx.rank)
     if model is not None and ctx.distributed:
         split = check_split(model, layout, ctx.rank, ctx.checkpoint_group)
         log.info("pipeline.split", stage=stage, keys=split)
     return stage
+
+
+def unmeshed_split(model: nn.Module, group: Any) -> None:
+    """ConfigError, the fix first, when the ranks of `group` hold parameters under disjoint
+    sets of names (a pipeline split) and no mesh gave a pp dimension. One gather of a hash of
+    the names; the names themselves only when the hashes differ. Overlapping sets are left to
+    the save's same-name check, which names the keys (checkpoint/duplicates.py)."""
+    names = sorted(n for n, _ in model.named_parameters())
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    hashes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, digest, group=group)
+    if len(set(hashes)) == 1:
+        return
+    every: list[Any] = [None] * len(hashes)
+    dist.all_gather_object(every, names, group=group)
+    sets: dict[str, tuple[int, list[str]]] = {}
+    for r, (h, held) in enumerate(zip(hashes, every, strict=True)):
+        sets.setdefault(h, (r, held))
+    split = list(sets.values())
+    if any(not held for _, held in split):
+        return
+    for i, (_, a) in enumerate(split):
+        if any(set(a) & set(b) for _, b in split[i + 1 :]):
+            return
+    said = "; ".join(f"rank {r}: {len(held)} such as {held[0]!r}" for r, held in split[:4])
+    raise ConfigError(
+        "pass mesh= with a 'pp' dimension to track(): the ranks hold disjoint sets of "
+        f"parameters ({said}), a pipeline split, and no mesh says so. For example "
+        "mesh = init_device_mesh(device, (pp,), mesh_dim_names=('pp',)), or ('dp', 'pp') with "
+        "data-parallel replicas of each stage, then rt.track(..., mesh=mesh). Without it the "
+        "stages' optimizers differ under one name and the first save would be refused; "
+        "nothing was trained (docs/porting.md#pipelines)"
+    )
 
 
 def check_split(model: nn.Module, layout: MeshLayout, rank: int, group: Any) -> dict[str, Any]:

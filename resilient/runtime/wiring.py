@@ -22,7 +22,7 @@ from resilient.checkpoint import TrainState
 from resilient.envvars import ENV_RUN_DIR, HotMode
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from resilient.groups.ddp import ddp_modules, forward_unsynced, pin_buckets
-from resilient.groups.groups import DistContext, env_identity
+from resilient.groups.groups import DistContext, abandon_distributed, env_identity
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
 from resilient.memory.snapshot import Snapshots
@@ -32,7 +32,7 @@ from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
 from resilient.runtime.stages import even_micro_batches
 
-__all__ = ["layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
+__all__ = ["abandon", "layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
 
 
 def open_log(config: RuntimeConfig) -> tuple[str, Path | None]:
@@ -150,6 +150,30 @@ def within(
     finished = done.wait(seconds)
     over.set()
     return finished
+
+
+def abandon(rt: Any, drain_s: float) -> bool:
+    """Runtime.abandon's teardown, after a peer was lost: stop the threads and hooks, let a
+    save or replica exchange in flight fail or finish (up to `drain_s`; False when it did
+    not), note a save that did not commit (rt.lost_save), destroy the process groups."""
+    rt.watchdog.stop(barrier=False)
+    rt.preemption.uninstall()
+    rt._uninstall_excepthook()
+    for h in rt._hooks:
+        h.remove()
+    rt._hooks = []
+    # a save or replica exchange that lost the peer fails (one on a leaver's: cut loose)
+    if not drain(drain_s, rt.checkpoints.wait, rt.watchdog):
+        return False
+    replicas = rt.snapshots.replicas
+    if replicas is not None and not drain(drain_s, replicas.wait, rt.watchdog):
+        return False
+    if rt._saved_step is not None and rt.checkpoints.last_committed != rt._saved_step:
+        rt.lost_save = rt._saved_step
+    with contextlib.suppress(BaseException):
+        rt.checkpoints.close()
+    abandon_distributed(rt.ctx, None if replicas is None else replicas.group)
+    return True
 
 
 def drain(seconds: float, wait: Callable[[], Any], watchdog: Any) -> bool:

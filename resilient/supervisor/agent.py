@@ -50,6 +50,7 @@ from resilient.supervisor._torch_compat import ElasticAgentBase
 from resilient.supervisor.gate import NodeGate
 from resilient.supervisor.hot import HotReplacer
 from resilient.supervisor.procs import peek_exit, wait_exits
+from resilient.supervisor.startwatch import StartWatch
 from resilient.supervisor.stopped import StoppedWorkers
 
 __all__ = ["AgentHooks", "FailureInfo", "SupervisedAgent", "Verdict"]
@@ -89,6 +90,8 @@ class AgentHooks(Protocol):
 
     def on_event(self, event: str, **fields: Any) -> None: ...
 
+    def not_started(self, restart: int, ranks: list[int]) -> dict[int, str | None]: ...
+
 
 class SupervisedAgent(ElasticAgentBase):
     """LocalElasticAgent whose restarts, kills and stops follow `hooks` (see module doc)."""
@@ -103,10 +106,12 @@ class SupervisedAgent(ElasticAgentBase):
         preempt_signals: tuple[signal.Signals, ...],
         hot_max: int = 0,
         gate: NodeGate | None = None,
+        start_timeout_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, **kwargs)
         self._gate = gate
+        self._start = StartWatch(start_timeout_s)
         self._hot = HotReplacer(
             hot_max=hot_max,
             on_event=hooks.on_event,
@@ -144,7 +149,8 @@ class SupervisedAgent(ElasticAgentBase):
                 # what a script's own init_process_group("gloo") connects to: the round's
                 # fresh store, not torch's shared one, which keeps the last attempt's keys
                 host, port = store_addr.rsplit(":", 1)
-                worker_group.master_addr, worker_group.master_port = host, int(port)
+                worker_group.master_addr = host  # type: ignore[assignment]
+                worker_group.master_port = int(port)  # type: ignore[assignment]
         else:
             os.environ.pop(ENV_STORE, None)
         self._roots = {}
@@ -152,6 +158,7 @@ class SupervisedAgent(ElasticAgentBase):
         self._hot.start_round(self.attempt_id, hosted)
         self._stopped.start_round()
         pids = super().start_workers(worker_group)
+        self._start.started()
         if self._gate is not None:
             self._gate.started(worker_group.workers[0].world_size if worker_group.workers else 0)
         self._hot.start_spare()
@@ -208,6 +215,8 @@ class SupervisedAgent(ElasticAgentBase):
 
     # ------------------------------------------------------------------ monitor
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._start.due() and not self._roots:
+            self._check_started(worker_group)
         if self._hot.enabled:
             self._hot.start_spare_when_stepped(worker_group)
         pids = self.worker_pids()
@@ -236,6 +245,24 @@ class SupervisedAgent(ElasticAgentBase):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return self._after_failure(worker_group, result)
         return result
+
+    def _check_started(self, worker_group: WorkerGroup) -> None:
+        """The start's deadline passed: kill the workers that have not reached their first
+        step (the restart path follows, as after any failure), naming each."""
+        pids = self.worker_pids() or {}
+        local = {w.global_rank: w.local_rank for w in worker_group.workers}
+        stuck = self._hooks.not_started(self.restart_count, sorted(local))
+        if not stuck:
+            return
+        self._hooks.on_event(
+            "start.timeout",
+            timeout_s=self._start.timeout_s,
+            ranks={str(r): ev or "no event: before resilient.init()" for r, ev in stuck.items()},
+        )
+        self._roots = {local[r]: int(ExitCode.HANG) for r in stuck}
+        for r in stuck:
+            with contextlib.suppress(ProcessLookupError, PermissionError, KeyError):
+                os.killpg(pids[local[r]], signal.SIGKILL)  # each worker leads its own session
 
     def _stop_survivors(
         self, pids: dict[int, int], alive: list[int], failed: dict[int, int]

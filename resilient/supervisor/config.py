@@ -31,6 +31,7 @@ from resilient.envvars import (
 from resilient.errors import ConfigError
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import get_args_parser, parse_min_max_nnodes
+from resilient.supervisor.batchplan import add_batch_flags
 from resilient.supervisor.opsflags import OpsConfig, add_ops_flags, ops_config
 from resilient.supervisor.policy import RestartPolicy
 
@@ -74,6 +75,9 @@ class SupervisorConfig:
     """No training node hosts the rendezvous store (`--rdzv-external`, or the etcd-v2
     backend): every node is its client (supervisor/rdzv.py)."""
     rdzv_wait_s: float = 30.0
+    start_timeout_s: float | None = None
+    """Every local rank reaches its first training step within this long of its attempt's
+    start, or the attempt is named and restarted (`--start-timeout`; None: no bound here)."""
     """How long an external store may take to answer at start before the run stops."""
 
     def __post_init__(self) -> None:
@@ -172,7 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with an external store: how long it may take to answer at start (default 30)",
     )
+    g.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="every worker reaches its first training step (a train.progress event: a script "
+        "under resilient.init() or an adapter) within SECONDS of its attempt's start, or the "
+        "attempt is named and restarted; it covers what runs before the runtime's own "
+        "watchdog, such as a framework's init_process_group (default: off)",
+    )
     add_ops_flags(parser)
+    add_batch_flags(parser)
     return parser
 
 
@@ -208,8 +223,13 @@ def parse_command_line(
         )
     if not args.rdzv_wait > 0:
         raise UsageError(f"--rdzv-wait must be > 0 seconds, got {args.rdzv_wait}")
+    if args.start_timeout is not None and not args.start_timeout > 0:
+        raise UsageError(f"--start-timeout must be > 0 seconds, got {args.start_timeout}")
     if args.hot_recovery and args.no_python:
         raise UsageError("--hot-recovery re-runs a Python script in place: not with --no-python")
+    for flag in ("per_rank_batch", "global_batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.hot_max < 1:
         raise UsageError(f"--hot-max must be >= 1, got {args.hot_max}")
     if args.max_restarts < 0:
@@ -237,6 +257,7 @@ def parse_command_line(
         ops=ops,
         rdzv_external=external,
         rdzv_wait_s=args.rdzv_wait,
+        start_timeout_s=args.start_timeout,
     )
     return cfg, args
 

@@ -29,6 +29,7 @@ from resilient.supervisor.report import (
     explain_failures,
     repeating_failure,
 )
+from resilient.supervisor.startwatch import not_started
 
 __all__ = ["Supervisor"]
 
@@ -97,6 +98,12 @@ class Supervisor:
         att = self.current
         if event == "restart.membership" and att is not None and att.outcome == "running":
             att.outcome, att.action, att.ended_at = "stopped", "membership change", time.time()
+
+    def not_started(self, restart: int, ranks: list[int]) -> dict[int, str | None]:
+        """Of this node's global `ranks`, those with no first step in attempt `restart`
+        (supervisor/startwatch.py), each with the last event it logged."""
+        self.logs.refresh()
+        return not_started(self.logs.records, restart, ranks)
 
     def on_failure(
         self, *, restart: int, failures: list[FailureInfo], restarts_left: int, nodes_waiting: int

@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from resilient.envvars import (
+    ENV_BATCH_POLICY,
     ENV_CHECKPOINT_DIR,
     ENV_GRACE_S,
     ENV_HOT,
@@ -41,6 +42,7 @@ from resilient.errors import ResilientError
 from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import config_from_args
 from resilient.supervisor.agent import SupervisedAgent
+from resilient.supervisor.batchplan import plan
 from resilient.supervisor.config import UsageError, parse_command_line
 from resilient.supervisor.gate import NodeGate, NodeLeaves
 from resilient.supervisor.hooks import Supervisor
@@ -106,6 +108,7 @@ def _launch(
         preempt_signals=sup.cfg.signals(),
         hot_max=sup.cfg.hot_max,
         gate=gate,
+        start_timeout_s=sup.cfg.start_timeout_s,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -215,6 +218,8 @@ def main(argv: list[str], *, live: Callable[..., Any] | None = None) -> int:
     os.environ[ENV_PREEMPT_SIGNALS] = ",".join(cfg.preempt_signals)
     if cfg.hot_max:
         os.environ[ENV_HOT] = "1"
+    if args.batch_policy:
+        os.environ[ENV_BATCH_POLICY] = args.batch_policy
     sup = Supervisor(
         cfg,
         run_id=config.run_id,
@@ -244,6 +249,12 @@ def main(argv: list[str], *, live: Callable[..., Any] | None = None) -> int:
     )
     if external is not None:
         sup.log.info("rdzv.external", **external)
+    if config.max_nodes > config.min_nodes:  # said before the run: which node counts keep it
+        lines, fields = plan(
+            args, config.min_nodes, config.max_nodes, config.nproc_per_node, cfg.run_dir
+        )
+        sup.log.info("batch.plan", **fields)
+        print("resilient run: " + "\n".join(lines), file=sys.stderr)
     monitor = None
     if live is not None and (cfg.ops.metrics_port is not None or cfg.ops.status != "off"):
         monitor = live(cfg.run_dir, cfg.ops, log=sup.log).start()

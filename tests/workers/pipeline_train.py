@@ -7,9 +7,10 @@ and holds only its own layers (the others are `nn.Identity()`), so a checkpoint 
 layer under its global name. `--pp 1` runs the same model unsplit, with the same micro-batches.
 
 Bad input on purpose: `--local-names` names each stage's layers 0.., as a naive split does
-(the save must be refused); `--no-mesh` keeps global names but passes no mesh (the
-optimizers' param_groups then differ under one name: refused); `--layers N` builds a model of
-N layers (a checkpoint of 4 loaded into 3: the missing layer named); `--split-of-rank R`
+(the save must be refused); `--no-mesh` keeps global names but passes no mesh, as torch's
+pipelining tutorial does (the stages' names are disjoint: refused at track(), before step
+0); `--layers N` builds a model of N layers (a checkpoint of 4 loaded into 3: the missing
+layer named); `--split-of-rank R`
 gives rank R another split (refused at track()); `--uneven` leaves a --microbatches that does
 not divide --batch to the runtime (refused in the first step's forwards).
 

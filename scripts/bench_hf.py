@@ -1,0 +1,134 @@
+"""The Hugging Face Trainer with resilient against the Trainer's own resume, side by side.
+
+    .venv/bin/python scripts/bench_hf.py [--repeats 3] [--steps 120] [--out bench-output/hf]
+
+Both variants run recipes/train_hf.py on 2 CPU ranks under `resilient run` (the stock
+Trainer with `--plain`, which resumes through `resume_from_checkpoint`), in alternation:
+1. fault-free: wall time, and the time per step from the Trainer's own train_runtime;
+2. rank 1 SIGKILLed at step 30 of the first attempt (10 steps after the checkpoint of step
+   20; a callback of this script fires the kill, the same in both): wall time, and whether
+   the final state's digest equals the fault-free run's.
+The resume's cost is the faulty run's wall time minus the fault-free one's: the restart, the
+reload, the steps replayed after the checkpoint and, for the stock Trainer, the batches it
+skips to get back to its position. Medians of `--repeats` runs; the per-step overhead is
+resilient's step time over the stock Trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "train_hf.py"
+
+# the recipe with a kill at an exact step: a TrainerCallback added by patching the stock
+# Trainer's __init__, which resilient's Trainer calls too, so both get the same fault
+_KILLING = textwrap.dedent(
+    """\
+    import os, runpy, signal, sys
+    import transformers
+    KILL_AT = int(os.environ["BENCH_KILL_AT"])
+
+    class Kill(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if first and state.global_step == KILL_AT and os.environ.get("RANK") == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    init = transformers.Trainer.__init__  # resilient's Trainer calls it too
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self.add_callback(Kill())
+    transformers.Trainer.__init__ = patched
+    sys.argv = [sys.argv[1], *sys.argv[2:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    """
+)
+
+
+def run(
+    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int
+) -> dict[str, object]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    script = [str(RECIPE)]
+    if kill_at is not None:
+        shim = out / "killing.py"
+        shim.write_text(_KILLING)
+        env["BENCH_KILL_AT"] = str(kill_at)
+        script = [str(shim), str(RECIPE)]
+    cmd = [
+        sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node=2",
+        f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
+        "--restart-backoff=0", "--restart-jitter=0",
+        *script, f"--out={out}", f"--steps={steps}", f"--samples={samples}",
+        *(["--plain"] if plain else []),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    runtimes = [
+        json.loads(line.replace("'", '"'))["train_runtime"]
+        for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+        if line.startswith("{'train_runtime'")
+    ]
+    return {
+        "wall_s": wall,
+        "digest": (out / "digest.txt").read_text().split()[1],
+        "step_s": float(runtimes[-1]) / steps if runtimes and kill_at is None else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--kill-at", type=int, default=30)
+    p.add_argument(
+        "--samples", type=int, default=4096, help="dataset size: 4096 is 512 steps an epoch"
+    )
+    p.add_argument("--out", type=Path, default=REPO / "bench-output" / "hf")
+    a = p.parse_args()
+    rows: dict[str, list[dict[str, object]]] = {}
+    for i in range(a.repeats):
+        for name, plain in (("stock", True), ("resilient", False)):
+            for kill in (None, a.kill_at):
+                key = f"{name}/{'kill' if kill else 'clean'}"
+                out = a.out / f"{key.replace('/', '-')}-{i}"
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+                rows.setdefault(key, []).append(
+                    run(out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples)
+                )
+                print(key, i, rows[key][-1], file=sys.stderr, flush=True)
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(float(r[field]) for r in rows[key])  # type: ignore[arg-type]
+
+    print(f"\n{a.repeats} runs each, {a.steps} steps, 2 CPU ranks, kill -9 of rank 1 at step "
+          f"{a.kill_at} (checkpoint every 20):")  # fmt: skip
+    print(f"{'variant':<10} {'step ms':>8} {'clean s':>8} {'faulty s':>9} {'resume s':>9}  exact")
+    for name in ("stock", "resilient"):
+        clean, kill = rows[f"{name}/clean"], rows[f"{name}/kill"]
+        exact = sum(k["digest"] == c["digest"] for k, c in zip(kill, clean, strict=True))
+        cost = med(f"{name}/kill", "wall_s") - med(f"{name}/clean", "wall_s")
+        print(
+            f"{name:<10} {1000 * med(f'{name}/clean', 'step_s'):>8.1f} "
+            f"{med(f'{name}/clean', 'wall_s'):>8.1f} {med(f'{name}/kill', 'wall_s'):>9.1f} "
+            f"{cost:>9.1f}  {exact}/{len(kill)}"
+        )
+    ratio = med("resilient/clean", "step_s") / med("stock/clean", "step_s")
+    print(f"per-step time, resilient / stock: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

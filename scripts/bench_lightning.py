@@ -1,0 +1,131 @@
+"""Lightning with resilient against Lightning's own resume, side by side.
+
+    .venv/bin/python scripts/bench_lightning.py [--repeats 3] [--steps 120] [--out bench-output/pl]
+
+Both variants run recipes/train_lightning.py on 2 CPU ranks under `resilient run` (stock
+Lightning with `--plain`, which resumes through `fit(ckpt_path="last")`), in alternation:
+1. fault-free: wall time, and the time per step measured inside the run from step 10 to the
+   last (a callback of this script; startup, imports and the first steps left out);
+2. rank 1 SIGKILLed at step 30 of the first attempt (10 steps after the checkpoint of step
+   20; the same callback fires the kill, the same in both): wall time, and whether the final
+   state's digest equals the fault-free run's.
+The resume's cost is the faulty run's wall time minus the fault-free one's: the restart, the
+reload and the steps replayed after the checkpoint. Medians of `--repeats` runs; the
+per-step overhead is resilient's step time over stock Lightning's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "train_lightning.py"
+TIMED_FROM = 10
+
+# the recipe with a step timer and a kill at an exact step: a Callback added by patching
+# lightning.Trainer.__init__, so both variants get the same one
+_SHIM = textwrap.dedent(
+    """\
+    import os, runpy, signal, sys, time
+    import lightning as L
+    KILL_AT = int(os.environ.get("BENCH_KILL_AT", "0"))
+    FROM = int(os.environ["BENCH_TIMED_FROM"])
+    OUT = sys.argv[-1]
+
+    class Bench(L.Callback):
+        t0 = None
+        def on_train_batch_end(self, trainer, *a):
+            step, rank = trainer.global_step, os.environ.get("RANK")
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if first and KILL_AT and step == KILL_AT and rank == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == FROM and self.t0 is None:
+                self.t0 = time.perf_counter()
+        def on_train_end(self, trainer, *a):
+            if self.t0 is not None and trainer.global_rank == 0:
+                per = (time.perf_counter() - self.t0) / (trainer.global_step - FROM)
+                with open(os.path.join(OUT, "step_s.txt"), "w") as f:
+                    f.write(str(per))
+
+    init = L.Trainer.__init__
+    def patched(self, *a, callbacks=None, **k):
+        init(self, *a, callbacks=[*(callbacks or []), Bench()], **k)
+    L.Trainer.__init__ = patched
+    sys.argv = [sys.argv[1], *sys.argv[2:-1]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    """
+)
+
+
+def run(out: Path, *, plain: bool, kill_at: int | None, steps: int) -> dict[str, object]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_TIMED_FROM": str(TIMED_FROM)}
+    shim = out / "bench_shim.py"
+    shim.write_text(_SHIM)
+    if kill_at is not None:
+        env["BENCH_KILL_AT"] = str(kill_at)
+    cmd = [
+        sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node=2",
+        f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
+        "--restart-backoff=0", "--restart-jitter=0",
+        str(shim), str(RECIPE), f"--out={out}", f"--steps={steps}",
+        *(["--plain"] if plain else []), str(out),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    timed = out / "step_s.txt"
+    return {
+        "wall_s": wall,
+        "digest": (out / "digest.txt").read_text().split()[1],
+        "step_s": float(timed.read_text()) if kill_at is None and timed.exists() else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--kill-at", type=int, default=30)
+    p.add_argument("--out", type=Path, default=REPO / "bench-output" / "pl")
+    a = p.parse_args()
+    rows: dict[str, list[dict[str, object]]] = {}
+    for i in range(a.repeats):
+        for name, plain in (("stock", True), ("resilient", False)):
+            for kill in (None, a.kill_at):
+                key = f"{name}/{'kill' if kill else 'clean'}"
+                out = a.out / f"{key.replace('/', '-')}-{i}"
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+                rows.setdefault(key, []).append(run(out, plain=plain, kill_at=kill, steps=a.steps))
+                print(key, i, rows[key][-1], file=sys.stderr, flush=True)
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(float(r[field]) for r in rows[key])  # type: ignore[arg-type]
+
+    print(f"\n{a.repeats} runs each, {a.steps} steps, 2 CPU ranks, kill -9 of rank 1 at step "
+          f"{a.kill_at} (checkpoint every 20):")  # fmt: skip
+    print(f"{'variant':<10} {'step ms':>8} {'clean s':>8} {'faulty s':>9} {'resume s':>9}  exact")
+    for name in ("stock", "resilient"):
+        clean, kill = rows[f"{name}/clean"], rows[f"{name}/kill"]
+        exact = sum(k["digest"] == c["digest"] for k, c in zip(kill, clean, strict=True))
+        cost = med(f"{name}/kill", "wall_s") - med(f"{name}/clean", "wall_s")
+        print(
+            f"{name:<10} {1000 * med(f'{name}/clean', 'step_s'):>8.1f} "
+            f"{med(f'{name}/clean', 'wall_s'):>8.1f} {med(f'{name}/kill', 'wall_s'):>9.1f} "
+            f"{cost:>9.1f}  {exact}/{len(kill)}"
+        )
+    ratio = med("resilient/clean", "step_s") / med("stock/clean", "step_s")
+    print(f"per-step time, resilient / stock: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
