@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from resilient import storekeys
 from resilient.errors import ConfigError
 from resilient.hang.heartbeat import HangDetector
 from resilient.hang.learned import MIN_SAMPLES, LearnedTimeouts, PhaseStats, agree
@@ -238,3 +239,25 @@ def test_the_report_lists_the_learned_and_the_pinned_timeouts(tmp_path: Path) ->
     rep = analyze(tmp_path)
     assert rep.hang_timeouts == {"forward": 5.0, "data": 7.5} and rep.hang_pinned == ["step"]
     assert "learned: forward 5 s, data 7.5 s; pinned: step" in format_report(rep)
+
+
+def test_rank_0_agrees_with_the_restored_table_before_the_others_publish_again() -> None:
+    """Right after a resume a peer's published table may still be the one from before its
+    load (all unknown): rank 0 counts the checkpoint's table for it, so the group keeps the
+    restored timeouts instead of falling back to the fixed ones for a round."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    c = cfg(learn_floor_s=1.0)
+    sd = {"timeouts": {"forward": 2.5}, "world_size": 2}
+    ranks = [LearnedTimeouts(c, world_size=2) for _ in range(2)]
+    unknown = np.full(len(Phase), math.nan).tobytes()
+    store.set(storekeys.learned(1), unknown)  # type: ignore[arg-type]  # before its load
+    for lt in ranks:
+        lt.load_state_dict(sd)
+    p = Progress()
+    p.stats = PhaseStats()
+    agreed = ranks[0].exchange(store, 0, p, world_size=2)
+    assert agreed is not None and agreed[Phase.FORWARD] == 2.5
+    assert ranks[1].exchange(store, 1, p, world_size=2) is None
+    assert ranks[1].agreed[Phase.FORWARD] == 2.5  # read back for its saves

@@ -133,7 +133,10 @@ class LearnedTimeouts:
                 self.adopt(np.frombuffer(store.get(storekeys.LEARNED_AGREED), dtype=np.float64))
             return None
         raw = store.multi_get([storekeys.learned(r) for r in range(world_size)])
-        agreed = agree([np.frombuffer(b, dtype=np.float64) for b in raw])
+        # a rank that has not published since it resumed (its table is 2 s old at most) has
+        # the checkpoint's table too, which every rank agreed on when it was saved
+        tables = [np.frombuffer(b, dtype=np.float64) for b in raw]
+        agreed = agree([np.where(np.isnan(t), self.restored, t) for t in tables])
         store.set(storekeys.LEARNED_AGREED, agreed.tobytes())
         return agreed
 
