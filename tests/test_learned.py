@@ -261,3 +261,40 @@ def test_rank_0_agrees_with_the_restored_table_before_the_others_publish_again()
     assert agreed is not None and agreed[Phase.FORWARD] == 2.5
     assert ranks[1].exchange(store, 1, p, world_size=2) is None
     assert ranks[1].agreed[Phase.FORWARD] == 2.5  # read back for its saves
+
+
+@pytest.mark.extended  # about 40 s under resilient run
+@pytest.mark.timeout(240)
+def test_a_hot_replaced_group_judges_by_the_learned_timeouts_at_once(tmp_path: Path) -> None:
+    """A stall at step 72 is replaced hot; a second one 8 steps into generation 1 (before
+    its own 10-step warm-up) is named by the table the snapshot carried, not by 300 s."""
+    from helpers import Launcher, run_cmd, run_events
+
+    from resilient.proctree import alive
+
+    run = tmp_path / "run"
+    argv = ["--nproc-per-node", "2", "--run-dir", str(run), "--monitor-interval", "0.1"]
+    argv += ["--hot-recovery", "-m", "chaos.inject", "--fault", "hang@rank=1,step=72,phase=forward"]
+    argv += [
+        "--fault",
+        "hang@rank=0,step=80,phase=forward,generation=1",
+        "--",
+        "chaos/paced_train.py",
+    ]
+    argv += ["--step-s", "0.1", "--steps", "100", "--save-every", "10"]
+    argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--run-dir", str(run)]
+    env = {
+        "RESILIENT_WATCHDOG": json.dumps({"learn_warmup_steps": 10}),
+        "RESILIENT_SNAPSHOT": json.dumps({"enabled": True, "every_steps": 1}),
+    }
+    launcher = Launcher()
+    try:
+        code, _, err = launcher.run(run_cmd(*argv), timeout=200, env=env)
+    finally:
+        launcher.close()
+    assert not [e for e in run_events(run, "runtime.init") if alive(int(e["pid"]))]
+    assert code == 0, err[-3000:]
+    first, second = (e["named"][0] for e in run_events(run, "hang.detected"))
+    assert (first["rank"], first["timeout_kind"], first["timeout_s"]) == (1, "learned", 5.0)
+    assert (second["rank"], second["step"]) == (0, 80)
+    assert (second["timeout_kind"], second["timeout_s"]) == ("learned", 5.0), second
