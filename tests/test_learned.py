@@ -12,6 +12,7 @@ import pytest
 
 from resilient import storekeys
 from resilient.errors import ConfigError
+from resilient.hang.config import WatchdogConfig
 from resilient.hang.heartbeat import HangDetector
 from resilient.hang.learned import MIN_SAMPLES, LearnedTimeouts, PhaseStats, agree
 from resilient.hang.phases import FLAG_WARM, Phase, Progress
@@ -298,3 +299,10 @@ def test_a_hot_replaced_group_judges_by_the_learned_timeouts_at_once(tmp_path: P
     assert (first["rank"], first["timeout_kind"], first["timeout_s"]) == (1, "learned", 5.0)
     assert (second["rank"], second["step"]) == (0, 80)
     assert (second["timeout_kind"], second["timeout_s"]) == ("learned", 5.0), second
+
+
+def test_the_default_floor_follows_a_long_heartbeat_interval() -> None:
+    """A config that only lengthens the heartbeat interval stays valid: the floor follows it."""
+    c = WatchdogConfig(heartbeat_interval_s=10.0, heartbeat_timeout_s=30.0)
+    assert c.learn_floor_s == 10.0
+    assert WatchdogConfig().learn_floor_s == 5.0
