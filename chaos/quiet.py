@@ -16,7 +16,9 @@ about `step_s`, rank 0 evaluating alone every `eval_every` steps, a checkpoint e
     factor = 20
     [[event]]
     kind = "eval"        # rank 0's evaluation at `at_step` (a multiple of eval_every) takes
-    at_step = 90         #   `seconds`; the other rank waits for it in the all-reduce
+    at_step = 90         #   `seconds` longer in its first forward through the tracked model
+                         #   (phase forward, inside rt.phase("eval")); the other rank waits
+                         #   for it in the all-reduce
     seconds = 3
     [[event]]
     kind = "slow_save"   # one rank's checkpoint of step `at_step` (a multiple of save_every)
@@ -78,8 +80,9 @@ class Event:
         if self.kind == "slow_step":
             secs = self.factor * sc.step_s
             return f"slow@rank={self.rank},step={self.at_step},phase=forward,seconds={secs:g}"
-        if self.kind == "eval":
-            return f"slow@rank=0,step={self.at_step},phase=eval,seconds={self.seconds:g}"
+        if self.kind == "eval":  # its first forward, after the step's own (skip=1)
+            where = f"rank=0,step={self.at_step},phase=forward,skip=1"
+            return f"slow@{where},seconds={self.seconds:g}"
         # the save after step index at_step - 1 completes: progress still says that step
         at = self.at_step - 1
         return f"slow@rank={self.rank},step={at},phase=checkpoint,seconds={self.seconds:g}"

@@ -15,7 +15,7 @@ from resilient.errors import ConfigError
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.heartbeat import HangDetector
 from resilient.hang.learned import MIN_SAMPLES, LearnedTimeouts, PhaseStats, agree
-from resilient.hang.phases import FLAG_WARM, Phase, Progress
+from resilient.hang.phases import FLAG_HELD, FLAG_WARM, Phase, Progress
 from resilient.report import analyze, format_report
 from resilient.report.causes import cause_of
 from tests.test_heartbeat_sim import IV, Sim, cfg, run_until_detection
@@ -306,3 +306,37 @@ def test_the_default_floor_follows_a_long_heartbeat_interval() -> None:
     c = WatchdogConfig(heartbeat_interval_s=10.0, heartbeat_timeout_s=30.0)
     assert c.learn_floor_s == 10.0
     assert WatchdogConfig().learn_floor_s == 5.0
+
+
+def test_a_block_of_an_unlearned_phase_holds_the_phases_its_code_passes_through() -> None:
+    """An evaluation through the tracked model enters forward and backward inside
+    rt.phase("eval"): those intervals stay out of the statistics, and the heartbeat says the
+    rank is held (FLAG_HELD), so a peer waiting on it keeps the fixed timeouts."""
+    p = Progress()
+    p.stats = PhaseStats()
+    p.flags |= FLAG_WARM
+    p.enter(Phase.STEP)
+    held = p.hold(Phase.EVAL)
+    assert not held and p.flags & FLAG_HELD
+    p.enter(Phase.FORWARD)  # the eval's forward, through the instrumented model
+    p.enter(Phase.BACKWARD)
+    p.resume(Phase.STEP)
+    p.release(held)
+    assert not p.flags & FLAG_HELD
+    assert p.stats.count(Phase.FORWARD) == 0 and p.stats.count(Phase.BACKWARD) == 0
+    assert not p.hold(Phase.FORWARD) and not p.flags & FLAG_HELD  # a learned phase: no hold
+
+    clock = [0.0]
+    sim = Sim(2)
+    det = _learned_detector(2)
+    det._clock = lambda: clock[0]
+    step = _ddp_stall(sim, 10.0, sleeper=0)
+
+    def evaluating(now: float) -> None:  # rank 0 evaluates, forwards ticking, rank 1 waits
+        step(now)
+        if now >= 10.0:
+            sim.set(0, now, phase=Phase.FORWARD, step=9, seq=2000 + int(now / IV))
+            sim.progress[0].flags |= FLAG_HELD
+
+    _, found = run_until_detection(det, sim, clock, 29.0, evaluating)
+    assert found is None  # rank 1 waited 19 s against a learned 5 s
