@@ -262,3 +262,25 @@ def test_an_untested_lightning_release_is_refused(monkeypatch: pytest.MonkeyPatc
         _lightning_parts.check_lightning()
     monkeypatch.setattr(_lightning_parts.lightning, "__version__", "2.7.0.dev0")
     _lightning_parts.check_lightning()
+
+
+@pytest.mark.timeout(60)
+def test_strategies_that_step_their_own_way_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from resilient.errors import ConfigError
+    from resilient.integrations import _lightning_parts
+
+    deepspeed_like = type("DeepSpeedStrategy", (DDPStrategy,), {})()
+    options = {"reload_dataloaders_every_n_epochs": 0, "overfit_batches": 0}
+    with pytest.raises(ConfigError, match=r"DeepSpeedStrategy is not supported.*strategy='ddp'"):
+        _lightning_parts.check_trainer(SimpleNamespace(strategy=deepspeed_like, **options))
+    _lightning_parts.check_trainer(SimpleNamespace(strategy=DDPStrategy(), **options))
+    with pytest.raises(ConfigError, match="reload_dataloaders_every_n_epochs"):
+        _lightning_parts.check_trainer(
+            SimpleNamespace(
+                strategy=DDPStrategy(), **{**options, "reload_dataloaders_every_n_epochs": 1}
+            )
+        )
