@@ -134,7 +134,7 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
     assert _final(tmp_path) == fault_free
 
 
-@pytest.mark.extended  # `make soak`: kill, hot, FSDP2, SIGTERM and NaN-persists run in CI
+@pytest.mark.extended  # `make soak`: kill, hot, FSDP2 and SIGTERM run in CI
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hang_is_named_and_the_restart_ends_bit_for_bit(
@@ -152,7 +152,7 @@ def test_a_hang_is_named_and_the_restart_ends_bit_for_bit(
     assert _final(tmp_path) == fault_free
 
 
-@pytest.mark.extended  # `make soak`: kill, hot, FSDP2, SIGTERM and NaN-persists run in CI
+@pytest.mark.extended  # `make soak`: kill, hot, FSDP2 and SIGTERM run in CI
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_nan_once_restarts_and_ends_bit_for_bit(
@@ -169,6 +169,7 @@ def test_a_nan_once_restarts_and_ends_bit_for_bit(
     assert _final(tmp_path) == fault_free
 
 
+@pytest.mark.extended  # `make soak`, for CI's budget: the Trainer's twin runs in CI
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_nan_that_comes_back_stops_with_87(tmp_path: Path, launcher: Launcher) -> None:
