@@ -6,8 +6,9 @@ false-alarm scenarios (scripts/bench_detect.py, chaos/quiet.py).
 
 Each step's forward takes about `--step-s` (a sleep inside the model: the forward phase holds
 the step's time, as a real model's compute would), then DDP's gradient all-reduce. Rank 0
-evaluates alone every `--eval-every` steps inside `rt.phase("eval")` (the others wait for it in
-the next step's all-reduce). Checkpoints every `--save-every` steps.
+evaluates alone every `--eval-every` steps inside `rt.phase("eval")`, two forwards through the
+tracked DDP model (whose hooks enter phase forward; the others wait for it in the next step's
+all-reduce). Checkpoints every `--save-every` steps.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if args.eval_every and step % args.eval_every == 0 and rt.rank == 0:
             with rt.phase("eval"), torch.no_grad():
-                model(x)  # the bare module: no DDP collective on one rank
+                for _ in range(2):  # through the tracked model: its hooks enter forward
+                    ddp(x)  # no buffers, no grad: no DDP collective on one rank
     rt.close()
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from resilient import storekeys
 from resilient.errors import ConfigError
+from resilient.hang.config import WatchdogConfig
 from resilient.hang.heartbeat import HangDetector
 from resilient.hang.learned import MIN_SAMPLES, LearnedTimeouts, PhaseStats, agree
-from resilient.hang.phases import FLAG_WARM, Phase, Progress
+from resilient.hang.phases import FLAG_HELD, FLAG_WARM, Phase, Progress
 from resilient.report import analyze, format_report
 from resilient.report.causes import cause_of
 from tests.test_heartbeat_sim import IV, Sim, cfg, run_until_detection
@@ -238,3 +240,103 @@ def test_the_report_lists_the_learned_and_the_pinned_timeouts(tmp_path: Path) ->
     rep = analyze(tmp_path)
     assert rep.hang_timeouts == {"forward": 5.0, "data": 7.5} and rep.hang_pinned == ["step"]
     assert "learned: forward 5 s, data 7.5 s; pinned: step" in format_report(rep)
+
+
+def test_rank_0_agrees_with_the_restored_table_before_the_others_publish_again() -> None:
+    """Right after a resume a peer's published table may still be the one from before its
+    load (all unknown): rank 0 counts the checkpoint's table for it, so the group keeps the
+    restored timeouts instead of falling back to the fixed ones for a round."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    c = cfg(learn_floor_s=1.0)
+    sd = {"timeouts": {"forward": 2.5}, "world_size": 2}
+    ranks = [LearnedTimeouts(c, world_size=2) for _ in range(2)]
+    unknown = np.full(len(Phase), math.nan).tobytes()
+    store.set(storekeys.learned(1), unknown)  # type: ignore[arg-type]  # before its load
+    for lt in ranks:
+        lt.load_state_dict(sd)
+    p = Progress()
+    p.stats = PhaseStats()
+    agreed = ranks[0].exchange(store, 0, p, world_size=2)
+    assert agreed is not None and agreed[Phase.FORWARD] == 2.5
+    assert ranks[1].exchange(store, 1, p, world_size=2) is None
+    assert ranks[1].agreed[Phase.FORWARD] == 2.5  # read back for its saves
+
+
+@pytest.mark.extended  # about 40 s under resilient run
+@pytest.mark.timeout(240)
+def test_a_hot_replaced_group_judges_by_the_learned_timeouts_at_once(tmp_path: Path) -> None:
+    """A stall at step 72 is replaced hot; a second one 8 steps into generation 1 (before
+    its own 10-step warm-up) is named by the table the snapshot carried, not by 300 s."""
+    from helpers import Launcher, run_cmd, run_events
+
+    from resilient.proctree import alive
+
+    run = tmp_path / "run"
+    argv = ["--nproc-per-node", "2", "--run-dir", str(run), "--monitor-interval", "0.1"]
+    argv += ["--hot-recovery", "-m", "chaos.inject", "--fault", "hang@rank=1,step=72,phase=forward"]
+    argv += [
+        "--fault",
+        "hang@rank=0,step=80,phase=forward,generation=1",
+        "--",
+        "chaos/paced_train.py",
+    ]
+    argv += ["--step-s", "0.1", "--steps", "100", "--save-every", "10"]
+    argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--run-dir", str(run)]
+    env = {
+        "RESILIENT_WATCHDOG": json.dumps({"learn_warmup_steps": 10}),
+        "RESILIENT_SNAPSHOT": json.dumps({"enabled": True, "every_steps": 1}),
+    }
+    launcher = Launcher()
+    try:
+        code, _, err = launcher.run(run_cmd(*argv), timeout=200, env=env)
+    finally:
+        launcher.close()
+    assert not [e for e in run_events(run, "runtime.init") if alive(int(e["pid"]))]
+    assert code == 0, err[-3000:]
+    first, second = (e["named"][0] for e in run_events(run, "hang.detected"))
+    assert (first["rank"], first["timeout_kind"], first["timeout_s"]) == (1, "learned", 5.0)
+    assert (second["rank"], second["step"]) == (0, 80)
+    assert (second["timeout_kind"], second["timeout_s"]) == ("learned", 5.0), second
+
+
+def test_the_default_floor_follows_a_long_heartbeat_interval() -> None:
+    """A config that only lengthens the heartbeat interval stays valid: the floor follows it."""
+    c = WatchdogConfig(heartbeat_interval_s=10.0, heartbeat_timeout_s=30.0)
+    assert c.learn_floor_s == 10.0
+    assert WatchdogConfig().learn_floor_s == 5.0
+
+
+def test_a_block_of_an_unlearned_phase_holds_the_phases_its_code_passes_through() -> None:
+    """An evaluation through the tracked model enters forward and backward inside
+    rt.phase("eval"): those intervals stay out of the statistics, and the heartbeat says the
+    rank is held (FLAG_HELD), so a peer waiting on it keeps the fixed timeouts."""
+    p = Progress()
+    p.stats = PhaseStats()
+    p.flags |= FLAG_WARM
+    p.enter(Phase.STEP)
+    held = p.hold(Phase.EVAL)
+    assert not held and p.flags & FLAG_HELD
+    p.enter(Phase.FORWARD)  # the eval's forward, through the instrumented model
+    p.enter(Phase.BACKWARD)
+    p.resume(Phase.STEP)
+    p.release(held)
+    assert not p.flags & FLAG_HELD
+    assert p.stats.count(Phase.FORWARD) == 0 and p.stats.count(Phase.BACKWARD) == 0
+    assert not p.hold(Phase.FORWARD) and not p.flags & FLAG_HELD  # a learned phase: no hold
+
+    clock = [0.0]
+    sim = Sim(2)
+    det = _learned_detector(2)
+    det._clock = lambda: clock[0]
+    step = _ddp_stall(sim, 10.0, sleeper=0)
+
+    def evaluating(now: float) -> None:  # rank 0 evaluates, forwards ticking, rank 1 waits
+        step(now)
+        if now >= 10.0:
+            sim.set(0, now, phase=Phase.FORWARD, step=9, seq=2000 + int(now / IV))
+            sim.progress[0].flags |= FLAG_HELD
+
+    _, found = run_until_detection(det, sim, clock, 29.0, evaluating)
+    assert found is None  # rank 1 waited 19 s against a learned 5 s

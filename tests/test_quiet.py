@@ -33,6 +33,6 @@ def test_slow_but_legitimate_events_draw_no_verdict(tmp_path: Path) -> None:
 def test_the_soak_draws_events_the_rule_allows() -> None:
     for sc in draw(seed=7, runs=30):
         (slow,) = [e for e in sc.events if e.kind == "slow_step"]
-        assert 5 <= slow.factor <= 20
+        assert slow.factor >= 5
         assert slow.factor * sc.step_s <= 0.8 * max(1.5, 10 * sc.step_s) + 1e-9
         assert sorted(e.kind for e in sc.events) == ["eval", "slow_save", "slow_step"]

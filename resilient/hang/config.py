@@ -61,8 +61,9 @@ class WatchdogConfig:
     (a resumed run uses the checkpoint's learned values meanwhile, after its first step)."""
     learn_factor: float = 10.0
     """Learned timeout = this many times the phase's high-quantile duration (at least 2)."""
-    learn_floor_s: float = 5.0
-    """No learned timeout below this (at least `heartbeat_interval_s`)."""
+    learn_floor_s: float | None = None
+    """No learned timeout below this; default 5 s, or `heartbeat_interval_s` when longer.
+    Set below the heartbeat interval, a ConfigError."""
     learn_quantile: float = 0.99
     """The quantile of a phase's recent durations (its last 512 progress intervals)."""
     barrier_every_steps: int | None = 100
@@ -135,6 +136,8 @@ class WatchdogConfig:
                 f"learn_factor ({self.learn_factor}) must be at least 2: a healthy phase "
                 "twice its usual length would be named; raise it (default 10)"
             )
+        if self.learn_floor_s is None:
+            self.learn_floor_s = max(5.0, iv)
         if self.learn_floor_s < iv:
             raise ConfigError(
                 f"learn_floor_s ({self.learn_floor_s}) must be at least heartbeat_interval_s "

@@ -34,6 +34,7 @@ import numpy as np
 from resilient.hang.config import ENV_WATCHDOG, WatchdogConfig
 from resilient.hang.phases import (
     FLAG_FAILED,
+    FLAG_HELD,
     FLAG_MICRO_BACKWARD,
     FLAG_ONE_OFF,
     FLAG_OOM,
@@ -248,9 +249,10 @@ class HangDetector:
         # allowance, so a stall right after a resume is named in the first-step timeout
         cold = np.where(beats["step"] >= 0, self._first_t[phase], self._cold_t[phase])
         # learned timeouts hold while every live rank is in a learned phase: a rank in a
-        # legitimately long one (a checkpoint, an eval, a one-off) may hold the others in a
-        # collective, and they wait with the fixed timeouts until it is back
-        one_off = (flags & FLAG_ONE_OFF) != 0
+        # legitimately long one (a checkpoint, an eval, a one-off, or a phase its block's
+        # code passes through: FLAG_HELD) may hold the others in a collective, and they wait
+        # with the fixed timeouts until it is back
+        one_off = (flags & (FLAG_ONE_OFF | FLAG_HELD)) != 0
         learned = self._learned[phase] & ~one_off & warm
         if (active & (~self._training[phase] | one_off | ~warm)).any():
             learned = np.zeros_like(learned)

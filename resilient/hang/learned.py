@@ -83,6 +83,7 @@ class LearnedTimeouts:
         self.config = config
         self.world_size = world_size
         self.ceiling, _ = config.phase_timeouts()
+        self.floor = float(config.learn_floor_s or 0.0)
         pinned = config.pinned()
         self.learnable = tuple(p for p in LEARNED_PHASES if p not in pinned)
         self.restored = np.full(len(Phase), math.nan)
@@ -101,7 +102,7 @@ class LearnedTimeouts:
         for p in self.learnable:
             q = stats.quantile(p, cfg.learn_quantile)
             if q is not None:
-                out[p] = min(self.ceiling[p], max(cfg.learn_floor_s, cfg.learn_factor * q))
+                out[p] = min(self.ceiling[p], max(self.floor, cfg.learn_factor * q))
         return out
 
     def adopt(self, table: np.ndarray) -> bool:
@@ -133,7 +134,10 @@ class LearnedTimeouts:
                 self.adopt(np.frombuffer(store.get(storekeys.LEARNED_AGREED), dtype=np.float64))
             return None
         raw = store.multi_get([storekeys.learned(r) for r in range(world_size)])
-        agreed = agree([np.frombuffer(b, dtype=np.float64) for b in raw])
+        # a rank that has not published since it resumed (its table is 2 s old at most) has
+        # the checkpoint's table too, which every rank agreed on when it was saved
+        tables = [np.frombuffer(b, dtype=np.float64) for b in raw]
+        agreed = agree([np.where(np.isnan(t), self.restored, t) for t in tables])
         store.set(storekeys.LEARNED_AGREED, agreed.tobytes())
         return agreed
 
@@ -149,6 +153,6 @@ class LearnedTimeouts:
         for name, value in dict(sd.get("timeouts", {})).items():
             phase = Phase[name.upper()] if name.upper() in Phase.__members__ else None
             if phase in self.learnable and phase not in pinned:
-                floor = max(self.config.learn_floor_s, float(value))
+                floor = max(self.floor, float(value))
                 self.restored[phase] = min(float(self.ceiling[phase]), floor)
         self.agreed = self.restored.copy()

@@ -15,6 +15,7 @@ from resilient.errors import ConfigError
 
 __all__ = [
     "FLAG_FAILED",
+    "FLAG_HELD",
     "FLAG_MICRO_BACKWARD",
     "FLAG_ONE_OFF",
     "FLAG_OOM",
@@ -84,6 +85,14 @@ send of its activations, the wait for the next one)."""
 FLAG_ONE_OFF = 16
 """The current phase's interval is a one-off (an epoch's first batch spawns loader workers):
 it keeps the fixed timeout and stays out of the learned statistics until the next phase."""
+FLAG_HELD = 32
+"""Inside a block of a phase whose timeout is not learned (`rt.phase("eval")`, a save): the
+phases its code passes through (an evaluation's forwards through the tracked model enter
+forward) keep the fixed timeouts and stay out of the learned statistics."""
+
+
+_UNLEARNED = FLAG_WARM | FLAG_ONE_OFF | FLAG_HELD
+"""Flags of which only FLAG_WARM may be set for an interval to count in the statistics."""
 
 
 class Intervals(Protocol):
@@ -148,10 +157,23 @@ class Progress:
         spent = now - self.since
         if self.phase in LOCAL_PHASES:
             self.local_s += spent
-        if self.stats is not None and self.flags & (FLAG_WARM | FLAG_ONE_OFF) == FLAG_WARM:
+        if self.stats is not None and self.flags & _UNLEARNED == FLAG_WARM:
             self.stats.add(self.phase, spent)
         self.since = now
         self.seq += 1
+
+    def hold(self, phase: Phase) -> bool:
+        """Inside a block of `phase` (Watchdog.phase): hold FLAG_HELD when its timeout is not
+        learned. Returns whether it was held already, for `release`."""
+        held = bool(self.flags & FLAG_HELD)
+        if phase not in LEARNED_PHASES:
+            self.flags |= FLAG_HELD
+        return held
+
+    def release(self, held: bool) -> None:
+        """Leaving the block: FLAG_HELD as it was before `hold`."""
+        if not held:
+            self.flags &= ~FLAG_HELD
 
     def one_off(self) -> None:
         """The interval in the current phase, from now to its next progress, is a one-off:

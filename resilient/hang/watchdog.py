@@ -169,10 +169,12 @@ class Watchdog(Verdicts):
         phase = Phase.parse(name)
         prev = self.progress.phase
         self.progress.enter(phase)
+        held = self.progress.hold(phase)  # its forwards keep the fixed timeouts
         try:
             yield
         finally:
             self.progress.resume(prev)
+            self.progress.release(held)
 
     def step_begin(self, step: int) -> None:
         self.progress.begin_step(step)
