@@ -288,18 +288,7 @@ class EpochBatches:
             raise RuntimeError("Lightning iterated the training loader before on_fit_start")
         if self.stopped:
             return
-        b = self.loop.batches
-        epoch = int(self.trainer.current_epoch)
-        if b.epoch < epoch:  # the last epoch ended (at its length, or limit_train_batches)
-            b.end_epoch()
-        if b.epoch != epoch:
-            raise RuntimeError(
-                f"Lightning's epoch {epoch} is not the loader's {b.epoch}: the resumed "
-                "position was not applied; this run would not be exact"
-            )
-        data = self.loader.dataset
-        if isinstance(data, SeededSamples):
-            data.set_epoch(epoch)
+        b = self.loop.enter_epoch(int(self.trainer.current_epoch), "Lightning")
         accum = self.trainer.accumulate_grad_batches
         while (taken := b.taken_in_epoch()) < self.per_epoch:
             if taken % accum == 0 and self.boundary():
