@@ -1,6 +1,6 @@
 """Lightning with resilient against Lightning's own resume, side by side.
 
-    .venv/bin/python scripts/bench_lightning.py [--repeats 3] [--steps 120] [--out bench-output/pl]
+    .venv/bin/python scripts/bench_lightning.py [--repeats 3] [--steps 120] [--samples 4096]
 
 Both variants run recipes/train_lightning.py on 2 CPU ranks under `resilient run` (stock
 Lightning with `--plain`, which resumes through `fit(ckpt_path="last")`), in alternation:
@@ -64,7 +64,9 @@ _SHIM = textwrap.dedent(
 )
 
 
-def run(out: Path, *, plain: bool, kill_at: int | None, steps: int) -> dict[str, object]:
+def run(
+    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int
+) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_TIMED_FROM": str(TIMED_FROM)}
     shim = out / "bench_shim.py"
@@ -75,7 +77,7 @@ def run(out: Path, *, plain: bool, kill_at: int | None, steps: int) -> dict[str,
         sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node=2",
         f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
         "--restart-backoff=0", "--restart-jitter=0",
-        str(shim), str(RECIPE), f"--out={out}", f"--steps={steps}",
+        str(shim), str(RECIPE), f"--out={out}", f"--steps={steps}", f"--samples={samples}",
         *(["--plain"] if plain else []), str(out),
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -96,6 +98,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--kill-at", type=int, default=30)
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=4096,
+        help="corpus size: 4096 is 512 steps an epoch, "
+        "so the loader's start-up each epoch is amortised as in a real run",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench-output" / "pl")
     a = p.parse_args()
     rows: dict[str, list[dict[str, object]]] = {}
@@ -105,14 +114,15 @@ def main() -> None:
                 key = f"{name}/{'kill' if kill else 'clean'}"
                 out = a.out / f"{key.replace('/', '-')}-{i}"
                 subprocess.run(["rm", "-rf", str(out)], check=True)
-                rows.setdefault(key, []).append(run(out, plain=plain, kill_at=kill, steps=a.steps))
+                row = run(out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples)
+                rows.setdefault(key, []).append(row)
                 print(key, i, rows[key][-1], file=sys.stderr, flush=True)
 
     def med(key: str, field: str) -> float:
         return statistics.median(float(r[field]) for r in rows[key])  # type: ignore[arg-type]
 
-    print(f"\n{a.repeats} runs each, {a.steps} steps, 2 CPU ranks, kill -9 of rank 1 at step "
-          f"{a.kill_at} (checkpoint every 20):")  # fmt: skip
+    print(f"\n{a.repeats} runs each, {a.steps} steps, {a.samples} samples, 2 CPU ranks, kill -9 "
+          f"of rank 1 at step {a.kill_at} (checkpoint every 20):")  # fmt: skip
     print(f"{'variant':<10} {'step ms':>8} {'clean s':>8} {'faulty s':>9} {'resume s':>9}  exact")
     for name in ("stock", "resilient"):
         clean, kill = rows[f"{name}/clean"], rows[f"{name}/kill"]

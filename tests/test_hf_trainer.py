@@ -104,7 +104,6 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # `make soak`: the same numeric path as a hand-written loop's, in CI
 @pytest.mark.timeout(240)
 def test_a_nan_that_comes_back_stops_with_87(tmp_path: Path, launcher: Launcher) -> None:
     """A batch that is NaN whenever it is seen: the restart meets it again, and the run stops

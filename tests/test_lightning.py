@@ -77,6 +77,25 @@ def test_kill_9_mid_epoch_resumes_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hot_recovery_replaces_the_lost_rank_in_place(
+    tmp_path: Path, launcher: Launcher, fault_free: tuple[str, str]
+) -> None:
+    """With --hot-recovery the survivor re-runs the script in place and a spare takes rank
+    1's place: Lightning's own init_process_group forms on a fresh store for the generation,
+    the state (Lightning's loops included) comes from the in-memory snapshots, and it ends
+    equal."""
+    code, _, err = launcher.run(
+        _run(tmp_path, "--hot-recovery", faults=("kill@rank=1,step=27,phase=backward",)),
+        timeout=250,
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    # (under a heavy load a later step may still fall back cold; the bits hold either way)
+    assert "recovery.hot.formed" in err and "hot=True" in err
+    assert _final(tmp_path) == fault_free
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_fsdp2_kill_9_resumes_bit_for_bit(tmp_path: Path, launcher: Launcher) -> None:
     """FSDP2 through Lightning's ModelParallelStrategy (fully_shard in configure_model), each
@@ -115,6 +134,7 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(
     assert _final(tmp_path) == fault_free
 
 
+@pytest.mark.extended  # `make soak`: kill, hot, FSDP2 and SIGTERM run in CI
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hang_is_named_and_the_restart_ends_bit_for_bit(
@@ -132,6 +152,7 @@ def test_a_hang_is_named_and_the_restart_ends_bit_for_bit(
     assert _final(tmp_path) == fault_free
 
 
+@pytest.mark.extended  # `make soak`: kill, hot, FSDP2 and SIGTERM run in CI
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_nan_once_restarts_and_ends_bit_for_bit(
@@ -148,6 +169,7 @@ def test_a_nan_once_restarts_and_ends_bit_for_bit(
     assert _final(tmp_path) == fault_free
 
 
+@pytest.mark.extended  # `make soak`, for CI's budget: the Trainer's twin runs in CI
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_nan_that_comes_back_stops_with_87(tmp_path: Path, launcher: Launcher) -> None:
@@ -262,3 +284,25 @@ def test_an_untested_lightning_release_is_refused(monkeypatch: pytest.MonkeyPatc
         _lightning_parts.check_lightning()
     monkeypatch.setattr(_lightning_parts.lightning, "__version__", "2.7.0.dev0")
     _lightning_parts.check_lightning()
+
+
+@pytest.mark.timeout(60)
+def test_strategies_that_step_their_own_way_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from resilient.errors import ConfigError
+    from resilient.integrations import _lightning_parts
+
+    deepspeed_like = type("DeepSpeedStrategy", (DDPStrategy,), {})()
+    options = {"reload_dataloaders_every_n_epochs": 0, "overfit_batches": 0}
+    with pytest.raises(ConfigError, match=r"DeepSpeedStrategy is not supported.*strategy='ddp'"):
+        _lightning_parts.check_trainer(SimpleNamespace(strategy=deepspeed_like, **options))
+    _lightning_parts.check_trainer(SimpleNamespace(strategy=DDPStrategy(), **options))
+    with pytest.raises(ConfigError, match="reload_dataloaders_every_n_epochs"):
+        _lightning_parts.check_trainer(
+            SimpleNamespace(
+                strategy=DDPStrategy(), **{**options, "reload_dataloaders_every_n_epochs": 1}
+            )
+        )

@@ -177,20 +177,11 @@ class EpochBatches:
         return (b.epoch + 1, 0) if taken >= len(self) else (b.epoch, taken)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.loop is None or self.loop.batches is None:
+        if self.loop is None:
             raise RuntimeError("the Trainer iterated its training loader before train() began")
-        b = self.loop.batches
-        epoch = b.epoch if self._epoch is None else self._epoch
-        if b.epoch < epoch:  # the last epoch ended (or a callback cut it short)
-            b.end_epoch()
-        if b.epoch != epoch:
-            raise RuntimeError(
-                f"the Trainer's epoch {epoch} is not the loader's {b.epoch}: the resumed "
-                "position was not applied; this run would not be exact"
-            )
-        dataset = self.loader.dataset
-        if isinstance(dataset, SeededSamples):
-            dataset.set_epoch(epoch)
+        now = self.loop.batches
+        epoch = self._epoch if self._epoch is not None else (now.epoch if now else 0)
+        b = self.loop.enter_epoch(epoch, "the Trainer")
         for _ in range(len(self) - b.taken_in_epoch()):
             yield self.loop.next_batch()
 

@@ -44,9 +44,10 @@ SEAMS = {
     "Strategy": ("_forward_redirection", "training_step", "precision_plugin"),
 }
 """The private names the adapter relies on: where the training loader comes from (the fit
-loop's data source), whether a batch ends an optimizer step, and the signal handlers it keeps
-Lightning from installing. Checked at the start of fit(), refused with the tested range when
-one moved."""
+loop's data source), whether a batch ends an optimizer step, the signal handlers it keeps
+Lightning from installing, the closure it runs before `optimizer.step()` (`closure_first`)
+and the redirection of `training_step` through the module's `__call__`. Checked at the start
+of fit(), refused with the tested range when one moved."""
 
 _UNTESTED = ("FSDPStrategy",)
 """FSDP1 through Lightning's FSDPStrategy: its state goes through DCP's state dicts as FSDP2's
@@ -54,6 +55,8 @@ does, but Lightning allows it on GPUs only, so this path is untested here. FSDP2
 ModelParallelStrategy (fully_shard in configure_model) runs on CPU and is tested."""
 
 _SUPPORTED = ("DDPStrategy", "SingleDeviceStrategy", "ModelParallelStrategy", *_UNTESTED)
+_REFUSED = ("DeepSpeedStrategy", "XLAStrategy", "SingleDeviceXLAStrategy", "XLAFSDPStrategy")
+"""Subclasses of the supported ones that keep their state and step their own way."""
 
 
 def check_lightning() -> None:
@@ -91,7 +94,8 @@ def check_seams(trainer: Any) -> None:
 def check_trainer(trainer: Any) -> None:
     """Refuse, with the fix, the Trainer options that defeat an exact resume."""
     strategy = type(trainer.strategy).__name__
-    if not any(c.__name__ in _SUPPORTED for c in type(trainer.strategy).__mro__):
+    names = {c.__name__ for c in type(trainer.strategy).__mro__}
+    if names & set(_REFUSED) or not names & set(_SUPPORTED):
         raise ConfigError(
             f"strategy {strategy} is not supported by resilient.integrations.lightning: use "
             "strategy='ddp' or ModelParallelStrategy (FSDP2), or port the loop by hand "
@@ -284,18 +288,7 @@ class EpochBatches:
             raise RuntimeError("Lightning iterated the training loader before on_fit_start")
         if self.stopped:
             return
-        b = self.loop.batches
-        epoch = int(self.trainer.current_epoch)
-        if b.epoch < epoch:  # the last epoch ended (at its length, or limit_train_batches)
-            b.end_epoch()
-        if b.epoch != epoch:
-            raise RuntimeError(
-                f"Lightning's epoch {epoch} is not the loader's {b.epoch}: the resumed "
-                "position was not applied; this run would not be exact"
-            )
-        data = self.loader.dataset
-        if isinstance(data, SeededSamples):
-            data.set_epoch(epoch)
+        b = self.loop.enter_epoch(int(self.trainer.current_epoch), "Lightning")
         accum = self.trainer.accumulate_grad_batches
         while (taken := b.taken_in_epoch()) < self.per_epoch:
             if taken % accum == 0 and self.boundary():

@@ -34,6 +34,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 import resilient
+from resilient.errors import ConfigError
 from resilient.integrations._lightning_parts import (
     _UNTESTED,
     EpochBatches,
@@ -103,6 +104,11 @@ class Resilient(pl.Callback):
         training loader rebuilt stateful, the state tracked and resumed."""
         rt = self.rt
         assert rt is not None, "setup() made the runtime"
+        if self.loop is not None:
+            raise ConfigError(
+                "fit() runs once per Resilient callback (its runtime resumed already): make a "
+                "new Trainer with a new Resilient() for another fit"
+            )
         check_module(trainer, pl_module)
         closure_first(trainer)  # the gradients are checked after backward, before the update
         step_through_call(trainer)  # the tracked module's hooks see each step

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from resilient import events as ev
+from resilient.data.seeded import SeededSamples
 from resilient.errors import ConfigError
 from resilient.hang.phases import Phase
 from resilient.runtime.loops import _env_stop
@@ -60,6 +61,26 @@ class DrivenLoop:
     def batches(self) -> ResumableBatches | None:
         """The tracked loader's epochs and position (None without track(loader=...))."""
         return self.rt._batches
+
+    def enter_epoch(self, epoch: int, framework: str) -> ResumableBatches:
+        """Before the framework iterates its epoch `epoch` of the tracked loader: leave the
+        last epoch if it ended (or was cut short), check that the loader is at this one (a
+        RuntimeError naming `framework` otherwise: the resumed position was not applied),
+        and tell a SeededSamples dataset the epoch. Returns the loader's batches."""
+        b = self.rt._batches
+        if b is None:
+            raise RuntimeError(f"{framework} iterated the training loader before it was tracked")
+        if b.epoch < epoch:
+            b.end_epoch()
+        if b.epoch != epoch:
+            raise RuntimeError(
+                f"{framework}'s epoch {epoch} is not the loader's {b.epoch}: the resumed "
+                "position was not applied; this run would not be exact"
+            )
+        data = getattr(b.loader, "dataset", None)
+        if isinstance(data, SeededSamples):
+            data.set_epoch(epoch)
+        return b
 
     def next_batch(self) -> Any:
         """The current epoch's next batch, in phase `data`; StopIteration at its end."""
