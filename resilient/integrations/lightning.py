@@ -73,6 +73,7 @@ class Resilient(pl.Callback):
         self._batches: EpochBatches | None = None
         self._trainer: Any = None
         self._save_due = False
+        self._eval: Any = None  # the open phase("eval") block of a validation run
 
     # ------------------------------------------------------------------ before the loop
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -193,6 +194,18 @@ class Resilient(pl.Callback):
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Lightning restores a .ckpt (fit(ckpt_path=...)): refused with the fix."""
         check_module(trainer, pl_module, ckpt_path=trainer.ckpt_path or "a Lightning .ckpt")
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # in phase `eval`: its own (fixed) timeout, and out of the learned statistics of the
+        # training phases its forwards pass through
+        if self.rt is not None and self._eval is None:
+            self._eval = self.rt.phase("eval")
+            self._eval.__enter__()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._eval is not None:
+            block, self._eval = self._eval, None
+            block.__exit__(None, None, None)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.loop is not None:
