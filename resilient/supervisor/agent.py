@@ -49,7 +49,7 @@ from resilient.exitcodes import ExitCode
 from resilient.supervisor._torch_compat import ElasticAgentBase
 from resilient.supervisor.gate import NodeGate
 from resilient.supervisor.hot import HotReplacer
-from resilient.supervisor.procs import peek_exit, wait_exits
+from resilient.supervisor.procs import kill_leftovers, peek_exit, wait_exits
 from resilient.supervisor.startwatch import StartWatch
 from resilient.supervisor.stopped import StoppedWorkers
 
@@ -225,6 +225,7 @@ class SupervisedAgent(ElasticAgentBase):
         if pids is not None and not self._roots:
             self._stopped.look(worker_group, pids)
             codes = {lr: peek_exit(pid) for lr, pid in pids.items()}
+            kill_leftovers({lr: pids[lr] for lr, c in codes.items() if c is not None})
             faultpoints.hit(faultpoints.AGENT_LOOKED, pids=dict(pids))
             failed = {lr: c for lr, c in codes.items() if c is not None and c != 0}
             if failed and self._hot.enabled and self._hot.replace(worker_group, codes, failed):

@@ -8,12 +8,14 @@ them at once), so it peeks at the status without reaping it. Shared by the agent
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 
 import psutil
 
-__all__ = ["is_stopped", "peek_exit", "wait_exits"]
+__all__ = ["is_stopped", "kill_leftovers", "peek_exit", "wait_exits"]
 
 
 def peek_exit(pid: int) -> int | None:
@@ -46,3 +48,15 @@ def is_stopped(pid: int) -> bool:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
     return status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
+def kill_leftovers(exited: dict[int, int]) -> None:
+    """SIGKILL the process groups of workers that have exited but are not reaped yet (local
+    rank -> pid): what they leave behind. Each worker leads its own session, and a child of
+    it outlives it there: a loader worker deadlocked in its own fork (CPython 3.11, a fork
+    while another thread of the rank held the interpreter's thread-state lock) slept on,
+    orphaned, holding the launcher's output pipe. Only an unreaped worker's group: its pid,
+    the group's id, cannot have been reused yet."""
+    for pid in exited.values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
