@@ -17,7 +17,7 @@ resilient's step time over the stock Trainer's.
 from __future__ import annotations
 
 import argparse
-import json
+import re
 import os
 import statistics
 import subprocess
@@ -77,11 +77,7 @@ def run(
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    runtimes = [
-        json.loads(line.replace("'", '"'))["train_runtime"]
-        for line in proc.stdout.splitlines() + proc.stderr.splitlines()
-        if line.startswith("{'train_runtime'")
-    ]
+    runtimes = re.findall(r"'train_runtime': '([0-9.]+)'", proc.stdout + proc.stderr)
     return {
         "wall_s": wall,
         "digest": (out / "digest.txt").read_text().split()[1],
