@@ -17,8 +17,8 @@ resilient's step time over the stock Trainer's.
 from __future__ import annotations
 
 import argparse
-import re
 import os
+import re
 import statistics
 import subprocess
 import sys
