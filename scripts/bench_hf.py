@@ -24,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,23 +96,43 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=REPO / "bench-output" / "hf")
     a = p.parse_args()
+    compare(
+        lambda out, plain, kill: run(
+            out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples
+        ),
+        repeats=a.repeats,
+        out=a.out,
+        kill_at=a.kill_at,
+        title=f"{a.repeats} runs each, {a.steps} steps, 2 CPU ranks, kill -9 of rank 1 at step "
+        f"{a.kill_at} (checkpoint every 20):",
+    )
+
+
+def compare(
+    run_one: Callable[[Path, bool, int | None], dict[str, object]],
+    *,
+    repeats: int,
+    out: Path,
+    kill_at: int,
+    title: str,
+) -> None:
+    """Run the stock framework and resilient's, each fault-free and with the kill, interleaved
+    `repeats` times (`run_one(out_dir, plain, kill_at)`: a row with wall_s, digest, step_s),
+    and print the medians' table and the per-step ratio. Shared by bench_lightning.py."""
     rows: dict[str, list[dict[str, object]]] = {}
-    for i in range(a.repeats):
+    for i in range(repeats):
         for name, plain in (("stock", True), ("resilient", False)):
-            for kill in (None, a.kill_at):
+            for kill in (None, kill_at):
                 key = f"{name}/{'kill' if kill else 'clean'}"
-                out = a.out / f"{key.replace('/', '-')}-{i}"
-                subprocess.run(["rm", "-rf", str(out)], check=True)
-                rows.setdefault(key, []).append(
-                    run(out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples)
-                )
+                run_dir = out / f"{key.replace('/', '-')}-{i}"
+                subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+                rows.setdefault(key, []).append(run_one(run_dir, plain, kill))
                 print(key, i, rows[key][-1], file=sys.stderr, flush=True)
 
     def med(key: str, field: str) -> float:
         return statistics.median(float(r[field]) for r in rows[key])  # type: ignore[arg-type]
 
-    print(f"\n{a.repeats} runs each, {a.steps} steps, 2 CPU ranks, kill -9 of rank 1 at step "
-          f"{a.kill_at} (checkpoint every 20):")  # fmt: skip
+    print(f"\n{title}")
     print(f"{'variant':<10} {'step ms':>8} {'clean s':>8} {'faulty s':>9} {'resume s':>9}  exact")
     for name in ("stock", "resilient"):
         clean, kill = rows[f"{name}/clean"], rows[f"{name}/kill"]

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from bench_hf import compare  # the interleaving and the table, shared
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "train_lightning.py"
@@ -107,34 +108,16 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=REPO / "bench-output" / "pl")
     a = p.parse_args()
-    rows: dict[str, list[dict[str, object]]] = {}
-    for i in range(a.repeats):
-        for name, plain in (("stock", True), ("resilient", False)):
-            for kill in (None, a.kill_at):
-                key = f"{name}/{'kill' if kill else 'clean'}"
-                out = a.out / f"{key.replace('/', '-')}-{i}"
-                subprocess.run(["rm", "-rf", str(out)], check=True)
-                row = run(out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples)
-                rows.setdefault(key, []).append(row)
-                print(key, i, rows[key][-1], file=sys.stderr, flush=True)
-
-    def med(key: str, field: str) -> float:
-        return statistics.median(float(r[field]) for r in rows[key])  # type: ignore[arg-type]
-
-    print(f"\n{a.repeats} runs each, {a.steps} steps, {a.samples} samples, 2 CPU ranks, kill -9 "
-          f"of rank 1 at step {a.kill_at} (checkpoint every 20):")  # fmt: skip
-    print(f"{'variant':<10} {'step ms':>8} {'clean s':>8} {'faulty s':>9} {'resume s':>9}  exact")
-    for name in ("stock", "resilient"):
-        clean, kill = rows[f"{name}/clean"], rows[f"{name}/kill"]
-        exact = sum(k["digest"] == c["digest"] for k, c in zip(kill, clean, strict=True))
-        cost = med(f"{name}/kill", "wall_s") - med(f"{name}/clean", "wall_s")
-        print(
-            f"{name:<10} {1000 * med(f'{name}/clean', 'step_s'):>8.1f} "
-            f"{med(f'{name}/clean', 'wall_s'):>8.1f} {med(f'{name}/kill', 'wall_s'):>9.1f} "
-            f"{cost:>9.1f}  {exact}/{len(kill)}"
-        )
-    ratio = med("resilient/clean", "step_s") / med("stock/clean", "step_s")
-    print(f"per-step time, resilient / stock: {ratio:.3f}")
+    compare(
+        lambda out, plain, kill: run(
+            out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples
+        ),
+        repeats=a.repeats,
+        out=a.out,
+        kill_at=a.kill_at,
+        title=f"{a.repeats} runs each, {a.steps} steps, {a.samples} samples, 2 CPU ranks, "
+        f"kill -9 of rank 1 at step {a.kill_at} (checkpoint every 20):",
+    )
 
 
 if __name__ == "__main__":
