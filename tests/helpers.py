@@ -47,6 +47,7 @@ __all__ = [
     "launch_ranks",
     "only_event",
     "read_events",
+    "recipe_cmd",
     "records",
     "run_cmd",
     "run_events",
@@ -149,6 +150,27 @@ class ForkedCli:
 def run_cmd(*args: str) -> list[str]:
     """`python -m resilient.cli run ARGS` as an argv list."""
     return [sys.executable, "-m", "resilient.cli", "run", *args]
+
+
+def recipe_cmd(
+    recipe: str, tmp: Path, *flags: str, faults: tuple[str, ...] = (), script: tuple[str, ...] = ()
+) -> list[str]:
+    """`resilient run` of a recipe on 2 ranks, its run directory and checkpoints under `tmp`,
+    restarts without backoff, `flags` for the launcher, `faults` armed by chaos.inject, and
+    `--out=tmp` then `script` for the recipe (the framework recipes write tmp/digest.txt)."""
+    inject = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--"]
+    return run_cmd(
+        "--nproc-per-node=2",
+        f"--run-dir={tmp / 'run'}",
+        f"--checkpoint-url={tmp / 'ckpt'}",
+        "--restart-backoff=0",
+        "--restart-jitter=0",
+        *flags,
+        *(inject if faults else []),
+        recipe,
+        f"--out={tmp}",
+        *script,
+    )
 
 
 _EXITS_AFTER_INIT = """\

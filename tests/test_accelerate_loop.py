@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, Launcher, run_cmd
+from helpers import REPO_ROOT, Launcher, recipe_cmd
 
 from resilient.exitcodes import ExitCode
 
@@ -17,17 +17,7 @@ RECIPE = str(REPO_ROOT / "recipes" / "train_accelerate.py")
 
 
 def _cmd(tmp: Path, *faults: str) -> list[str]:
-    inject = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--"]
-    return run_cmd(
-        "--nproc-per-node=2",
-        f"--run-dir={tmp / 'run'}",
-        f"--checkpoint-url={tmp / 'ckpt'}",
-        "--restart-backoff=0",
-        "--restart-jitter=0",
-        *(inject if faults else []),
-        RECIPE,
-        f"--out={tmp}",
-    )
+    return recipe_cmd(RECIPE, tmp, faults=faults)
 
 
 @pytest.mark.slow

@@ -12,30 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, Launcher, run_cmd, start, wait_for
+from helpers import REPO_ROOT, Launcher, recipe_cmd, run_cmd, start, wait_for
 
 from resilient.exitcodes import ExitCode
 
 transformers = pytest.importorskip("transformers")
 
 RECIPE = str(REPO_ROOT / "recipes" / "train_hf.py")
-NO_BACKOFF = ("--restart-backoff=0", "--restart-jitter=0")
 
 
 def _run(tmp: Path, *extra: str, faults: tuple[str, ...] = (), script: tuple[str, ...] = ()):
-    inject = ["-m", "chaos.inject", *[a for f in faults for a in ("--fault", f)], "--"]
-    return run_cmd(
-        "--nproc-per-node=2",
-        f"--run-dir={tmp / 'run'}",
-        f"--checkpoint-url={tmp / 'ckpt'}",
-        *NO_BACKOFF,
-        *extra,
-        *(inject if faults else []),
-        RECIPE,
-        f"--out={tmp}",
-        "--grad-accum=2",  # exact with gradient accumulation too
-        *script,
-    )
+    # exact with gradient accumulation too
+    return recipe_cmd(RECIPE, tmp, *extra, faults=faults, script=("--grad-accum=2", *script))
 
 
 def _digest(out: Path) -> str:
