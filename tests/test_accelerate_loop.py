@@ -1,13 +1,14 @@
 """An Accelerate loop ported as a hand-written one (recipes/train_accelerate.py: Accelerator,
 prepare, accumulate, backward; the loader tracked by the runtime instead of prepared): a kill -9
-of rank 1 in the middle of a gradient accumulation ends with the fault-free bits."""
+of rank 1 in the middle of a gradient accumulation, five steps after a checkpoint, ends with
+the fault-free bits."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, Launcher, recipe_cmd
+from helpers import REPO_ROOT, Launcher, recipe_cmd, resumed_step
 
 from resilient.exitcodes import ExitCode
 
@@ -26,8 +27,8 @@ def test_an_accelerate_loop_resumes_bit_for_bit(tmp_path: Path, launcher: Launch
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     code, _, err = launcher.run(_cmd(clean), timeout=140)
     assert code == ExitCode.OK, err[-4000:]
-    code, _, err = launcher.run(_cmd(faulty, "kill@rank=1,step=15,phase=backward"), timeout=140)
+    code, _, err = launcher.run(_cmd(faulty, "kill@rank=1,step=25,phase=backward"), timeout=140)
     assert code == ExitCode.OK, err[-4000:]
-    assert "from_checkpoint=True" in err and "step=10" in err
+    assert resumed_step(faulty / "run") in (10, 20), err[-4000:]
     digest = (clean / "digest.txt").read_text()
     assert digest.startswith("40 ") and (faulty / "digest.txt").read_text() == digest

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, Launcher, recipe_cmd, run_cmd, start, wait_for
+from helpers import REPO_ROOT, Launcher, recipe_cmd, resumed_step, run_cmd, start, wait_for
 
 from resilient.exitcodes import ExitCode
 
@@ -44,12 +44,13 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, launcher: Launcher) -> 
 @pytest.mark.timeout(240)
 def test_kill_9_resumes_bit_for_bit(tmp_path: Path, launcher: Launcher, fault_free: str) -> None:
     """Rank 1 SIGKILLed in the backward of step 27 (between two checkpoints, in the middle of
-    an epoch, loader workers running): the restart resumes at step 20 and ends equal."""
+    an epoch, loader workers running): the restart resumes at step 20 (or 10, when the step-20
+    save had not committed yet) and ends equal."""
     code, _, err = launcher.run(
         _run(tmp_path, faults=("kill@rank=1,step=27,phase=backward",)), timeout=200
     )
     assert code == ExitCode.OK, err[-4000:]
-    assert "runtime.resume" in err and "step=20" in err
+    assert resumed_step(tmp_path / "run") in (10, 20), err[-4000:]
     assert _digest(tmp_path) == fault_free
 
 
