@@ -24,22 +24,32 @@ them. That needs names torch does not document as an API:
 A torch without one of them fails here, at import, with TorchCompatError naming the torch
 version and the feature (resilient/_torch_check.py), not in the middle of a run.
 
-Checked on torch 2.13.0, 2.14.1, 2.15.0 (the tested range): every name above is there on each;
-which of the supervisor's and hot recovery's tests ran on which release:
+Two differ inside the tested range, both from torch 2.13 on: `_shutdown` takes the workers'
+time to stop (`timeout`), which the agent's run loop passes (before, `shutdown()` closes the
+process context with it first: SHUTDOWN_TAKES_TIMEOUT), and torchrun has --shutdown-timeout
+and no default --master-port (before, `get_args_parser()` makes its parser so).
+
+Checked on torch 2.11.0, 2.12.0, 2.13.0, 2.14.1, 2.15.0 (the tested range): every name above
+is there on each; which of the supervisor's and hot recovery's tests ran on which release:
 docs/operating.md#torch-releases.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import inspect
 import os
 import signal
+from dataclasses import fields
 from typing import Any
 
+from torch.distributed.argparse_util import env
 from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.launcher.api import LaunchConfig
 
 from resilient._torch_check import (
     require_attrs,
@@ -55,12 +65,18 @@ _HOOKS = {
     "_start_workers": ("worker_group",),
     "_monitor_workers": ("worker_group",),
     "_stop_workers": ("worker_group",),
-    "_shutdown": ("death_sig", "timeout"),
+    "_shutdown": ("death_sig",),
 }
 require_attrs(LocalElasticAgent, _HOOKS, feature=_AGENT)
 for _hook, _params in _HOOKS.items():
     require_params(getattr(LocalElasticAgent, _hook), _params, feature=_AGENT)
 require_self_attrs(LocalElasticAgent, ("_pcontext", "_remaining_restarts"), feature=_AGENT)
+# torch 2.13 added `timeout` to _shutdown (how long the workers get between `death_sig` and
+# SIGKILL; a preemption's grace). Before, it closed the process context with PContext.close's
+# default of 30 s: there `shutdown()` closes the context itself with the timeout first.
+SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
+if not SHUTDOWN_TAKES_TIMEOUT:
+    require_params(PContext.close, ("death_sig", "timeout"), feature=_AGENT)
 require_attrs(SimpleElasticAgent, ("get_worker_group",), feature=_AGENT)
 
 _HOT = "hot recovery's replacement of one worker (resilient run --hot-recovery)"
@@ -87,7 +103,34 @@ get_subprocess_handler = require_import(
 )
 
 _PARSER = "resilient run's command line (torchrun's own flags)"
-get_args_parser = require_import("torch.distributed.run", "get_args_parser", feature=_PARSER)
+_torchrun_parser = require_import("torch.distributed.run", "get_args_parser", feature=_PARSER)
+LAUNCH_HAS_SHUTDOWN_TIMEOUT = "shutdown_timeout" in {f.name for f in fields(LaunchConfig)}
+"""torchrun has --shutdown-timeout and LaunchConfig its field from torch 2.13 (before, the
+workers got PContext.close's 30 s): older, `get_args_parser` adds the flag itself."""
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """torchrun's parser as torch 2.13 has it, on every tested torch: --shutdown-timeout, and
+    no default --master-port."""
+    parser = _torchrun_parser()
+    if parser.get_default("master_port") is not None and "PET_MASTER_PORT" not in os.environ:
+        # torch < 2.13 defaults it to 29500, so a port given cannot be told from none, which
+        # the choice of a standalone rendezvous needs (config.py fills 29500 in later, as
+        # torchrun 2.13 does)
+        parser.set_defaults(master_port=None)
+    if not LAUNCH_HAS_SHUTDOWN_TIMEOUT:
+        parser.add_argument(
+            "--shutdown-timeout",
+            "--shutdown_timeout",
+            action=env,  # torchrun's: PET_SHUTDOWN_TIMEOUT as the default, as its own flags
+            type=int,
+            default=None,
+            help="Time in seconds the workers get between the stop signal and SIGKILL "
+            "(default 30; never below --grace-period).",
+        )
+    return parser
+
+
 parse_min_max_nnodes = require_import(
     "torch.distributed.run", "parse_min_max_nnodes", feature=_PARSER
 )
@@ -102,6 +145,14 @@ class ElasticAgentBase(LocalElasticAgent):
     `remaining_restarts` and `max_restarts`.
     """
 
+    def __init__(self, spec: Any, *, shutdown_timeout: int = 30, **kwargs: Any) -> None:
+        if SHUTDOWN_TAKES_TIMEOUT:
+            kwargs["shutdown_timeout"] = shutdown_timeout
+        super().__init__(spec, **kwargs)
+        self.shutdown_timeout_s = shutdown_timeout
+        """The workers' time between the stop signal and SIGKILL when the agent's run ends
+        (torch >= 2.13 passes it to `_shutdown` itself; older torch passes nothing)."""
+
     # torch's private hooks, called by its agent loop: forwarded to ours
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         return self.start_workers(worker_group)
@@ -112,8 +163,10 @@ class ElasticAgentBase(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self.stop_workers(worker_group)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        self.shutdown(death_sig, timeout)
+    def _shutdown(
+        self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None
+    ) -> None:
+        self.shutdown(death_sig, self.shutdown_timeout_s if timeout is None else timeout)
 
     # ours, defaulting to torch's behaviour
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -130,7 +183,12 @@ class ElasticAgentBase(LocalElasticAgent):
 
     def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """Signal the workers with `death_sig`, SIGKILL them after `timeout` s, free resources."""
-        super()._shutdown(death_sig, timeout)
+        if SHUTDOWN_TAKES_TIMEOUT:
+            super()._shutdown(death_sig, timeout)
+            return
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig, timeout)  # then torch's close finds them gone
+        super()._shutdown(death_sig)
 
     # the agent's state
     def worker_pids(self) -> dict[int, int] | None:
