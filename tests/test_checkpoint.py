@@ -149,7 +149,7 @@ def _saved(t: Any, *, at: int, zip_crc: bool) -> tuple[Any, int]:
     import contextlib
     import io
 
-    from resilient.checkpoint._torch_compat import no_zip_crc32_in_this_thread
+    from resilient.checkpoint._torch_archive import no_zip_crc32_in_this_thread
 
     buf = io.BytesIO()
     buf.write(b"\0" * at)
@@ -165,7 +165,7 @@ def test_a_tensor_record_read_in_place_is_what_torch_load_gives(zip_crc: bool) -
     torch.load, for views, odd dtypes and scalars, with or without the zip CRC."""
     import io
 
-    from resilient.checkpoint._torch_compat import tensor_in_record
+    from resilient.checkpoint._torch_archive import tensor_in_record
 
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
     cases = [
@@ -196,7 +196,7 @@ def test_the_tensor_pickle_reader_agrees_with_torch_load_or_refuses() -> None:
     import pickle
     import zipfile
 
-    from resilient.checkpoint import _torch_compat as tc
+    from resilient.checkpoint import _torch_archive as tc
 
     assert tc.FAST_HEADER_UNAVAILABLE is None
     assert tc._STORAGE_DTYPES
@@ -236,7 +236,7 @@ def test_the_tensor_pickle_reader_agrees_with_torch_load_or_refuses() -> None:
 
 
 def test_a_record_that_is_not_a_plain_tensor_archive_is_left_to_torch_load() -> None:
-    from resilient.checkpoint._torch_compat import tensor_in_record
+    from resilient.checkpoint._torch_archive import tensor_in_record
 
     buf, length = _saved(torch.ones(8), at=5, zip_crc=False)
     assert tensor_in_record(buf, 5, length - 40) is None  # cut short
@@ -331,7 +331,7 @@ def test_zip_crc_is_skipped_only_in_the_thread_that_asks() -> None:
     import threading
     import zipfile
 
-    from resilient.checkpoint._torch_compat import no_zip_crc32_in_this_thread
+    from resilient.checkpoint._torch_archive import no_zip_crc32_in_this_thread
 
     def crcs() -> list[int]:
         buf = io.BytesIO()

@@ -38,12 +38,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from resilient.checkpoint._dcp_fs import StorageFileSystem, VerifiedBytesFileSystem
-from resilient.checkpoint._torch_compat import (
-    metadata_path,
-    planner_store,
-    read_span,
-    tensor_in_record,
-)
+from resilient.checkpoint._torch_archive import tensor_in_record
+from resilient.checkpoint._torch_compat import metadata_path, planner_store, read_span
 from resilient.checkpoint.manifest import FileEntry, Manifest
 from resilient.errors import CheckpointCorruptError, CheckpointError
 from resilient.storage import Buffer, Storage

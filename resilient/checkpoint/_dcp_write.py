@@ -32,7 +32,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 
 from resilient.checkpoint._dcp_fs import StorageFileSystem
-from resilient.checkpoint._torch_compat import no_zip_crc32_in_this_thread
+from resilient.checkpoint._torch_archive import no_zip_crc32_in_this_thread
 from resilient.storage import Storage
 from resilient.storage.checksum import DEFAULT, updater
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from resilient.checkpoint._torch_compat import keep_stager_usable
+
 __all__ = ["SavePipeline"]
 
 
@@ -149,12 +151,11 @@ class SavePipeline:
             # Background staging works on CPU and GPU; pinned memory and non-blocking copies
             # need an accelerator, so they are on only where CUDA is.
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=cuda,
-                )
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
             )
+            self._stager = keep_stager_usable(DefaultStager(options))
         return self._stager

@@ -43,7 +43,8 @@ from resilient.checkpoint._dcp_read import (
     make_reader,
     read_metadata_safely,
 )
-from resilient.checkpoint._torch_compat import read_span, tensor_in_record
+from resilient.checkpoint._torch_archive import tensor_in_record
+from resilient.checkpoint._torch_compat import read_span
 from resilient.checkpoint.manifest import Manifest, step_dir
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from resilient.storage import Buffer
