@@ -18,6 +18,10 @@
   these errors for real. A changed text is not silent either: the failure is then reported
   as the rank's own exception (ExitCode.RANK_EXCEPTION) instead of PEER_LOST.
 
+- The text of torch < 2.13's refusal of a pipeline micro-batch whose shape differs from the
+  first's (`micro_batch_sizes`): there it comes before the stage's own check of uneven
+  micro-batches (runtime/stages.py), and is read as the same configuration error.
+
 - `TORCH_GLOO_LAZY_INIT`, the environment variable torch's gloo backend reads when a group
   is created: set, the group connects each pair of ranks at its first collective between
   them instead of every pair at creation. Our side groups are made with it
@@ -29,9 +33,9 @@
 A torch without one of the names fails here, at import, with TorchCompatError naming the
 torch version and the feature (resilient/_torch_check.py).
 
-Checked on torch 2.13.0, 2.14.1, 2.15.0 (the tested range): every name above is there on
-each; the lazy connections (tests/test_torch_compat.py) and a peer's death read as
-PEER_LOST (tests/test_hang.py) were run on the releases docs/operating.md#torch-releases
+Checked on torch 2.11.0, 2.12.0, 2.13.0, 2.14.1, 2.15.0 (the tested range): every name above
+is there on each; the lazy connections (tests/test_torch_compat.py) and a peer's death read
+as PEER_LOST (tests/test_hang.py) were run on the releases docs/operating.md#torch-releases
 lists.
 """
 
@@ -56,6 +60,7 @@ __all__ = [
     "is_peer_loss_message",
     "lazy_gloo_connections",
     "match_backward_all_reduce",
+    "micro_batch_sizes",
     "push_all_rebuilt_params",
     "rebuild_buckets",
     "reset_reducer_state",
@@ -154,6 +159,26 @@ _BARRIER_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 def is_peer_loss_message(text: str) -> bool:
     """The error text says a peer is gone (not this rank's own fault)."""
     return any(m in text for m in PEER_LOSS_MARKERS)
+
+
+_STAGE_INPUT_SHAPES = re.compile(
+    r"forward inputs: .*shape mismatch: expected torch\.Size\(\[(\d+)[^\]]*\]\) "
+    r"actual torch\.Size\(\[(\d+)"
+)
+
+
+def micro_batch_sizes(exc: BaseException) -> tuple[int, int] | None:
+    """(the first micro-batch's size, another's) when `exc` is torch's refusal of a pipeline
+    stage's micro-batch whose first dimension differs from the first micro-batch's. torch <
+    2.13 checks a stage's inputs against the first micro-batch's shapes before the module
+    runs, so this, not the stage's own check (runtime/stages.py), meets uneven micro-batches
+    there: "Stage 0 forward inputs: value 0 has a shape mismatch: expected torch.Size([3, 16])
+    actual torch.Size([2, 16])" (a PipeliningShapeError)."""
+    match = _STAGE_INPUT_SHAPES.search(str(exc))
+    if type(exc).__name__ != "PipeliningShapeError" or match is None:
+        return None
+    first, other = int(match.group(1)), int(match.group(2))
+    return None if first == other else (first, other)
 
 
 def barrier_missing_ranks(text: str) -> list[int] | None:

@@ -54,15 +54,19 @@ class StepFingerprints:
         self.check: ReplayCheck | None = None
         self._hooked = False
         """The tracked model's forward is hooked for the inputs; its silence is said once."""
+        self._grad_only = False
 
     @property
     def shape(self) -> tuple[int, str]:
         """(world size, mesh layout): replayed steps compare only on the same shape."""
         return self._world, self.mesh
 
-    def attach(self, model: nn.Module) -> Any:
-        """The forward pre-hook on the tracked model; returns its handle."""
+    def attach(self, model: nn.Module, *, pipeline_stage: bool = False) -> Any:
+        """The forward pre-hook on the tracked model; returns its handle. `pipeline_stage`:
+        the model is a pipeline's first stage, whose forwards without grad are not the step's
+        (torch < 2.13's shape inference runs it once per process on zeros, under no_grad)."""
         self._hooked = True
+        self._grad_only = pipeline_stage
         return model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
     def begin(self, step: int) -> None:
@@ -70,7 +74,7 @@ class StepFingerprints:
         self._hash, self._meta, self._loss = None, 0, None
 
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._armed:
+        if self._armed and (torch.is_grad_enabled() or not self._grad_only):
             self.inputs(*args, *kwargs.values())
 
     def inputs(self, *values: Any) -> None:

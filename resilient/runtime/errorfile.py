@@ -17,19 +17,25 @@ from typing import Any
 
 from resilient.errors import CheckpointMismatchError, ConfigError
 from resilient.exitcodes import ExitCode
+from resilient.groups._torch_compat import micro_batch_sizes
 from resilient.groups.exits import hard_exit
 from resilient.log import get_logger
+from resilient.runtime.stages import uneven_micro_batches
 
 __all__ = ["install_excepthook"]
 
 
-def _mismatch(exc: BaseException) -> BaseException | None:
-    """`exc` or its cause that is a ConfigError or CheckpointMismatchError, if any."""
+def _mismatch(exc: BaseException, step: Callable[[], int | None]) -> BaseException | None:
+    """`exc` or its cause that is a ConfigError or CheckpointMismatchError, if any; torch's
+    own refusal of uneven pipeline micro-batches (torch < 2.13) as the runtime's."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         if isinstance(cause, ConfigError | CheckpointMismatchError):
             return cause
+        sizes = micro_batch_sizes(cause)
+        if sizes is not None:
+            return uneven_micro_batches(_step_or_none(step), list(sizes))
         seen.add(id(cause))
         cause = cause.__cause__
     return None
@@ -54,7 +60,7 @@ def install_excepthook(
         if not issubclass(exc_type, KeyboardInterrupt) and os.getpid() == pid:
             # torch re-raises a module's error as its own (a pipeline stage's "Failed to run
             # stage forward"): the cause tells
-            cause = _mismatch(exc)
+            cause = _mismatch(exc, step)
             if cause is not None:
                 _record(cause, step, exit_code=int(ExitCode.MISMATCH))
                 previous(exc_type, exc, tb)
@@ -73,13 +79,17 @@ def install_excepthook(
     return uninstall
 
 
+def _step_or_none(step: Callable[[], int | None]) -> int | None:
+    try:
+        return step()
+    except Exception:  # the runtime may be half torn down; the exception matters more
+        return None
+
+
 def _record(
     exc: BaseException, step: Callable[[], int | None], *, exit_code: int | None = None
 ) -> None:
-    try:
-        at: Any = step()
-    except Exception:  # the runtime may be half torn down; the exception matters more
-        at = None
+    at: Any = _step_or_none(step)
     get_logger().error(
         "worker.exception",
         error=f"{type(exc).__name__}: {exc}"[:1000],

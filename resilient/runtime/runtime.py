@@ -238,7 +238,8 @@ class Runtime(Loops):
         self._hooks += wiring.stage_hooks(None if stage is None else model, self)
         self._hooks += wiring.numeric_hooks(self.numeric, model, optimizer, stage is not None)
         if model is not None and not stage:  # each step's first forward inputs: its
-            self._hooks.append(self._fp.attach(model))  # fingerprint (pipelines: stage 0's)
+            # fingerprint (pipelines: stage 0's)
+            self._hooks.append(self._fp.attach(model, pipeline_stage=stage == 0))
 
     # ------------------------------------------------------------------ the loop
     def resume(self) -> int:

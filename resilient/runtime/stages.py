@@ -26,7 +26,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from resilient.errors import ConfigError
 from resilient.mesh import MeshLayout
 
-__all__ = ["agree_split", "check_split", "even_micro_batches", "stage_of", "unmeshed_split"]
+__all__ = [
+    "agree_split",
+    "check_split",
+    "even_micro_batches",
+    "stage_of",
+    "uneven_micro_batches",
+    "unmeshed_split",
+]
 
 
 def stage_of(layout: MeshLayout, rank: int) -> int:
@@ -137,6 +144,8 @@ def even_micro_batches(model: nn.Module, step: Callable[[], int]) -> Any:
     seen: dict[str, Any] = {"step": None, "sizes": []}
 
     def check(_module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # torch < 2.13's shape inference (zeros like the first micro-batch)
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         if first is None:
             return
@@ -145,12 +154,17 @@ def even_micro_batches(model: nn.Module, step: Callable[[], int]) -> Any:
         sizes: list[int] = seen["sizes"]
         sizes.append(int(first.shape[0]))
         if sizes[-1] != sizes[0]:
-            raise ConfigError(
-                f"the pipeline's micro-batches of step {seen['step']} differ in size "
-                f"({sorted(set(sizes), reverse=True)} samples): "
-                "the schedule's n_microbatches does not divide the batch each stage draws. "
-                "Choose a number of micro-batches that divides the batch size (or a batch "
-                "size it divides) (docs/porting.md#pipelines)"
-            )
+            raise uneven_micro_batches(seen["step"], sizes)
 
     return model.register_forward_pre_hook(check)
+
+
+def uneven_micro_batches(step: int | None, sizes: list[int]) -> ConfigError:
+    """The refusal of a step whose pipeline micro-batches have these `sizes`."""
+    return ConfigError(
+        f"the pipeline's micro-batches of step {step} differ in size "
+        f"({sorted(set(sizes), reverse=True)} samples): "
+        "the schedule's n_microbatches does not divide the batch each stage draws. "
+        "Choose a number of micro-batches that divides the batch size (or a batch "
+        "size it divides) (docs/porting.md#pipelines)"
+    )
