@@ -9,11 +9,11 @@ setup:
 demo: setup
 	$(PY) -m chaos.demo
 
-# CI (.ci/run): lint, types, the full suite on .venv's torch, the range's floor (2.13.0,
-# constraints-cpu.txt), then the compatibility subset on the range's newest release, whose side
-# environment is built in the background while the suite runs (scripts/test.sh says how;
-# docs/operating.md#torch-releases). Where that environment cannot be built (no network or
-# disk), the release is reported loudly as untested, not failed.
+# CI (.ci/run): lint, types, the full suite on .venv's torch (2.13.0, constraints-cpu.txt),
+# then the compatibility subset on the range's floor (2.11) and newest release (2.15), whose
+# side environments are built in the background while the suite runs (scripts/test.sh says
+# how; docs/operating.md#torch-releases). Where one cannot be built (no network or disk), that
+# release is reported loudly as untested, not failed.
 test: setup
 	@bash scripts/test.sh
 

@@ -46,7 +46,7 @@ __all__ = [
     "require_self_attrs",
 ]
 
-TORCH_FLOOR = (2, 13, 0)
+TORCH_FLOOR = (2, 11, 0)
 """The oldest torch release tested: an older one lacks a name or a behaviour resilient relies
 on (docs/operating.md#torch-releases)."""
 TORCH_NEWEST = (2, 15, 0)
@@ -57,7 +57,7 @@ TESTED_RANGE = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]},<{TORCH_NEWEST[0]}.{TO
 """The range as pip reads it (pyproject.toml's requirement; tests/test_torch_compat.py checks
 that the two agree): every patch release of the tested minors."""
 
-TESTED_RELEASES = ("2.13.0", "2.14.1", "2.15.0")
+TESTED_RELEASES = ("2.11.0", "2.12.0", "2.13.0", "2.14.1", "2.15.0")
 """The releases `make test-torch` was run on, oldest first (every compat module's docstring
 names them: the releases its checks were run on)."""
 

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# make test (and CI, .ci/run): lint, types, the suite on .venv's torch (the range's floor),
-# then the compatibility subset on the range's newest release.
+# make test (and CI, .ci/run): lint, types, the suite on .venv's torch (2.13.0), then the
+# compatibility subset on the range's floor (2.11) and on its newest release (2.15): three
+# points of the tested range.
 #
 # Two things run beside the suite, which is mostly waiting (rendezvous rounds, heartbeat
-# timeouts) and leaves a core idle about half the time: the newest release's side environment
-# is built in the background (scripts/torch_env.py --prefetch), and mypy (three minutes on a
-# fresh clone) checks the types. Their results are read after the suite.
+# timeouts) and leaves a core idle about half the time: the floor's and the newest release's
+# side environments are built in the background (scripts/torch_env.py --prefetch), and mypy
+# (three minutes on a fresh clone) checks the types. Their results are read after the suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 SOURCES=(resilient chaos recipes scripts tests)
 
+"$PY" scripts/torch_env.py floor --prefetch
 "$PY" scripts/torch_env.py newest --prefetch
 # etcd for the etcd-v2 rendezvous tests, where the machine allows (apt-get and root): a test
 # skipped for a reason tests/skipcheck.py does not expect fails the suite
@@ -37,7 +39,8 @@ if [ "$suite" -ne 0 ] || [ "$types_rc" -ne 0 ]; then
   echo "make test: the suite exited $suite, mypy $types_rc"
   exit 1
 fi
-# the newest release of the tested range: the compatibility subset (a shortened demo, a kill
-# and a bit-exact resume, then 91 tests on two workers: checkpoints, reshard, hot, numeric,
-# supervisor, hang, export, every private name's check), about 85 s
+# the floor and the newest release of the tested range: the compatibility subset on each (a
+# shortened demo, a kill and a bit-exact resume, then 94 tests on two workers: checkpoints,
+# reshard, hot, numeric, supervisor, hang, export, every private name's check), about 70 s each
+"$PY" scripts/torch_env.py floor --subset --untested-if-unbuildable || exit 1
 exec "$PY" scripts/torch_env.py newest --subset --untested-if-unbuildable

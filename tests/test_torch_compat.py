@@ -123,10 +123,16 @@ def test_pyproject_declares_the_tested_range() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["resilient.checkpoint", "resilient.groups", "resilient.numeric", "resilient.supervisor"],
+    [
+        "resilient.checkpoint._torch_compat",
+        "resilient.checkpoint._torch_archive",
+        "resilient.groups._torch_compat",
+        "resilient.numeric._torch_compat",
+        "resilient.supervisor._torch_compat",
+    ],
 )
 def test_every_compat_fence_records_the_releases_it_was_checked_on(module: str) -> None:
-    compat = importlib.import_module(f"{module}._torch_compat")
+    compat = importlib.import_module(module)
     doc = " ".join((compat.__doc__ or "").split())
     assert f"Checked on torch {', '.join(TESTED_RELEASES)}" in doc, module
 
@@ -153,6 +159,51 @@ def test_peer_loss_texts() -> None:
     assert barrier_missing_ranks("Ranks 1, 3 failed to pass monitoredBarrier in 3000 ms") == [1, 3]
     assert barrier_missing_ranks("Rank 2 failed to pass monitoredBarrier in 3000 ms") == [2]
     assert barrier_missing_ranks("something else") is None
+
+
+def test_an_older_torchs_uneven_micro_batch_refusal_is_read_as_the_runtimes() -> None:
+    """torch < 2.13 refuses a pipeline micro-batch of another shape before the stage's own
+    check runs: its text gives the sizes, and the worker's exit is the runtime's refusal
+    (ConfigError, exit MISMATCH), not a crash that restarts (tests/test_pipeline.py runs it
+    for real on the floor)."""
+    from resilient.groups._torch_compat import micro_batch_sizes
+    from resilient.runtime.errorfile import _mismatch
+
+    class PipeliningShapeError(RuntimeError):  # torch's name; its class is private
+        pass
+
+    text = (
+        "Stage 0 forward inputs: value 0 has a shape mismatch: expected torch.Size([3, 16]) "
+        "actual torch.Size([2, 16])"
+    )
+    assert micro_batch_sizes(PipeliningShapeError(text)) == (3, 2)
+    assert micro_batch_sizes(RuntimeError(text)) is None  # another error with the same words
+    assert micro_batch_sizes(PipeliningShapeError(text.replace("[2, 16]", "[3, 8]"))) is None
+    wrapped = RuntimeError("Failed to run stage forward")
+    wrapped.__cause__ = PipeliningShapeError(text)
+    refusal = _mismatch(wrapped, lambda: 0)
+    assert "micro-batches of step 0 differ in size ([3, 2] samples)" in str(refusal)
+
+
+def test_the_async_save_stages_more_than_once() -> None:
+    """The stager fence (checkpoint/_torch_compat.py): three stages through one stager give
+    three equal copies, on every tested torch (2.11 and 2.12 empty the copier table after
+    the first without it)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from resilient.checkpoint._torch_compat import keep_stager_usable
+
+    stager = keep_stager_usable(
+        DefaultStager(StagingOptions(False, False, True, False))  # as the manager on CPU
+    )
+    try:
+        for i in range(3):
+            sd = {"w": torch.full((4,), float(i)), "meta": {"step": i, "kind": type(i)}}
+            staged = stager.stage(sd)
+            got = staged.result() if hasattr(staged, "result") else staged
+            assert torch.equal(got["w"], sd["w"]) and got["meta"] == sd["meta"]
+    finally:
+        stager.close()
 
 
 def _sockets() -> int:

@@ -13,9 +13,9 @@
 A torch without it fails here, at import, with TorchCompatError naming the torch version and
 the feature (resilient/_torch_check.py).
 
-Checked on torch 2.13.0, 2.14.1, 2.15.0 (the tested range): the op is there on each, and
-tests/test_numeric.py's screen tests ran on the releases docs/operating.md#torch-releases
-lists.
+Checked on torch 2.11.0, 2.12.0, 2.13.0, 2.14.1, 2.15.0 (the tested range): the op is there
+on each, and tests/test_numeric.py's screen tests ran on the releases
+docs/operating.md#torch-releases lists.
 """
 
 from __future__ import annotations
