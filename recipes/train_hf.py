@@ -76,6 +76,7 @@ def main() -> None:
         report_to=[],
         seed=0,
         use_cpu=not torch.cuda.is_available(),
+        full_determinism=torch.cuda.is_available(),  # a bitwise resume on a GPU needs it
         ddp_backend="gloo" if not torch.cuda.is_available() else None,
         disable_tqdm=True,
         **(

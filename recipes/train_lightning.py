@@ -103,6 +103,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--fsdp", action="store_true", help="FSDP2: Lightning's ModelParallelStrategy")
     p.add_argument("--plain", action="store_true", help="stock Lightning, its own resume")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
 
     L.seed_everything(0, verbose=False)  # the same initial weights on every rank
@@ -115,7 +116,8 @@ def main() -> None:
 
         callbacks.append(Resilient())  # resilient
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        deterministic=args.device == "cuda",  # a bitwise resume on a GPU needs them
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("WORLD_SIZE", "1"))
         // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),

@@ -1,21 +1,30 @@
 """The CUDA paths, on a real GPU: skipped where torch sees none (CI, the CPU VM).
 
 Run where a GPU exists with `bash scripts/gpu_check.sh` (docs/benchmarks.md#gpu says on what
-they last ran). What only a GPU exercises:
+they last ran; tests/test_gpu_check.py tests that script on the CPU). What only a GPU
+exercises:
 - a real CUDA out-of-memory error from the caching allocator, retried in smaller micro-batches
   with the CUDA RNG restored, bit for bit a run with the smaller split;
-- one-rank runs on cuda:0 through the "cpu:gloo,cuda:nccl" group under kill -9, preemption
-  and a NaN, each resumed from checkpoints staged through pinned memory, ending bit for bit
-  on the fault-free run's weights (chaos/gpu/*.toml).
+- one-rank runs on cuda:0 through the "cpu:gloo,cuda:nccl" group under kill -9, SIGSTOP, an
+  injected OOM, preemption and a NaN (cold, and rolled back in place in hot mode), each
+  resumed from checkpoints or snapshots of the CUDA state, ending bit for bit on the
+  fault-free run's weights (chaos/gpu/*.toml; the recipes run one rank per GPU);
+- a hot replacement of a lost rank with two ranks on the one GPU over gloo, its state from
+  the survivor's snapshot, bit for bit the fault-free run (scripts/gpu_runs.py hot).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from chaos.procs import REPO, events
 from chaos.runner import run_scenario
 from chaos.scenario import Scenario
 from resilient.groups.groups import DistContext
@@ -92,7 +101,25 @@ def test_real_cuda_oom_is_retried_bitwise_in_smaller_micro_batches(tmp_path: Pat
 @pytest.mark.parametrize("path", sorted(GPU_SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
 def test_gpu_scenario_ends_bitwise(path: Path, tmp_path_factory):
     sc = Scenario.load(path)
-    result = run_scenario(sc, tmp_path_factory.getbasetemp() / "chaos-gpu")
+    result = run_scenario(sc, tmp_path_factory.getbasetemp() / "chaos-gpu", keep=True)
     assert result.ok, f"{result.failures}\n{result.checks}\nkept in {result.run_dir}"
     assert result.checks["a_bitwise_equal"] == "pass"
     assert result.checks["e_no_leftover"] == "pass"
+    # it trained on the GPU: the training group has CUDA's backend
+    inits = [e for e in events(Path(result.run_dir) / "run", 0) if e["event"] == "runtime.init"]
+    assert inits and all("cuda:nccl" in e["backend"] for e in inits), inits
+    shutil.rmtree(result.run_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hot_replacement_on_one_gpu_ends_bitwise(tmp_path: Path):
+    """Two ranks on cuda:0 (CUDA tensors over gloo): rank 1 SIGKILLed mid-run is replaced
+    warm from the survivor's snapshot and the run ends on the fault-free digest; so does the
+    same kill without hot recovery (a cold restart)."""
+    out = tmp_path / "hot.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_runs.py"), "hot", "--work", str(tmp_path)]
+    done = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=560)
+    result = json.loads(out.read_text())
+    assert result["ok"], f"{result['failures']}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    assert result["device"] == "cuda" and result["transport"] == "gloo, 2 rank(s)"
