@@ -154,9 +154,11 @@ def test_a_killed_rank_is_replaced_hot_and_the_run_ends_bit_exact(
     (replace,) = _events(tmp_path, "recovery.hot.replace")
     assert (replace["rank"], replace["exit_code"], replace["generation"]) == (victim, -9, 1)
     assert replace["warm_spare"] is True
-    # the next spare waits for the new generation's first step (not the recovery's CPU)
-    (spare,) = _events(tmp_path, "recovery.hot.spare")
-    assert (spare["generation"], spare["after_first_step"]) == (1, True)
+    # the next spare waits for the new generation's first step (not the recovery's CPU); the
+    # run may end before the launcher's next look at the store sees that step (once in a CI
+    # run here), and then no spare starts at all
+    spares = _events(tmp_path, "recovery.hot.spare")
+    assert [(e["generation"], e["after_first_step"]) for e in spares] in ([], [(1, True)])
     formed = _events(tmp_path, "recovery.hot.formed")
     assert sorted(e["rank"] for e in formed) == list(range(nproc))
     (to_step,) = {e["to_step"] for e in formed}
