@@ -17,6 +17,7 @@ resilient's step time over the stock Trainer's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -32,16 +33,33 @@ RECIPE = REPO / "recipes" / "train_hf.py"
 
 # the recipe with a kill at an exact step: a TrainerCallback added by patching the stock
 # Trainer's __init__, which resilient's Trainer calls too, so both get the same fault
+# It also marks, on rank 0 of the restarted attempt, when its process started, when the
+# Trainer began training and when its first step ended, and on rank 1 the kill: the resume's
+# cost in three parts (`resume_parts`).
 _KILLING = textwrap.dedent(
     """\
-    import os, runpy, signal, sys
+    import json, os, runpy, signal, sys, time
+    def mark(what):
+        with open(os.environ["BENCH_MARKS"], "a") as f:
+            f.write(json.dumps({"mark": what, "t": time.time()}) + "\\n")
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "1"
+    if restarted and os.environ.get("RANK") == "0":
+        mark("start")
     import transformers
     KILL_AT = int(os.environ["BENCH_KILL_AT"])
 
     class Kill(transformers.TrainerCallback):
+        stepped = False
+        def on_train_begin(self, args, state, control, **kw):
+            if restarted and os.environ.get("RANK") == "0":
+                mark("train_begin")
         def on_step_end(self, args, state, control, **kw):
+            if restarted and os.environ.get("RANK") == "0" and not self.stepped:
+                self.stepped = True
+                mark("first_step")
             first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if first and state.global_step == KILL_AT and os.environ.get("RANK") == "1":
+                mark("kill")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     init = transformers.Trainer.__init__  # resilient's Trainer calls it too
@@ -65,6 +83,7 @@ def run(
         shim = out / "killing.py"
         shim.write_text(_KILLING)
         env["BENCH_KILL_AT"] = str(kill_at)
+        env["BENCH_MARKS"] = str(out / "marks.jsonl")
         script = [str(shim), str(RECIPE)]
     cmd = [
         sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node=2",
@@ -83,6 +102,21 @@ def run(
         "wall_s": wall,
         "digest": (out / "digest.txt").read_text().split()[1],
         "step_s": float(runtimes[-1]) / steps if runtimes and kill_at is None else None,
+        **(resume_parts(out / "marks.jsonl") if kill_at is not None else {}),
+    }
+
+
+def resume_parts(marks: Path) -> dict[str, float]:
+    """The resume in three parts, from the marks of the killing shim: the kill to the new
+    process (the launcher: the failure seen, the survivor stopped, a new round, the spawn),
+    to the Trainer's start of training (imports, the model, the Trainer, and whatever the
+    variant loads before training begins), to the end of the first step (what it loads or
+    skips after, and the step)."""
+    t = {m["mark"]: m["t"] for m in map(json.loads, marks.read_text().splitlines())}
+    return {
+        "launch_s": t["start"] - t["kill"],
+        "setup_s": t["train_begin"] - t["start"],
+        "first_step_s": t["first_step"] - t["train_begin"],
     }
 
 
@@ -145,6 +179,12 @@ def compare(
         )
     ratio = med("resilient/clean", "step_s") / med("stock/clean", "step_s")
     print(f"per-step time, resilient / stock: {ratio:.3f}")
+    if all("launch_s" in r for k in ("stock/kill", "resilient/kill") for r in rows[k]):
+        print("the resume in parts (medians, s): kill to new process, to training's begin, "
+              "to the first step's end")  # fmt: skip
+        for name in ("stock", "resilient"):
+            parts = [med(f"{name}/kill", f) for f in ("launch_s", "setup_s", "first_step_s")]
+            print(f"{name:<10} " + " ".join(f"{x:>8.2f}" for x in parts))
 
 
 if __name__ == "__main__":
