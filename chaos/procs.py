@@ -27,6 +27,7 @@ __all__ = [
     "fresh_interpreters",
     "kill_tree",
     "latest_event",
+    "resumed_step",
     "spawn",
     "torchrun_cmd",
     "use_fork_server",
@@ -180,6 +181,16 @@ def latest_event(
         if e.get("event") == name and where(e):
             found = e
     return found
+
+
+def resumed_step(run_dir: Path) -> int | None:
+    """The step rank 0's last attempt resumed from a checkpoint at (None: it started fresh).
+
+    An async save commits in the background, so a kill a few steps after a save may land
+    before or after its commit; what is certain is the save before it, which the next save
+    waited for. Tests kill after the second save and accept either committed step."""
+    last = latest_event(run_dir, "runtime.resume", rank=0) or {}
+    return int(last["step"]) if last.get("from_checkpoint") else None
 
 
 def wait_for(

@@ -181,6 +181,8 @@ def hot(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def framework(args: argparse.Namespace) -> dict[str, Any]:
+    from chaos.procs import resumed_step
+
     name = args.check
     recipe = REPO / "recipes" / f"train_{name}.py"
     needs = ["transformers", "accelerate"] if name == "hf" else ["lightning", "transformers"]
@@ -208,10 +210,8 @@ def framework(args: argparse.Namespace) -> dict[str, Any]:
         # the step and digest of the final state; Lightning's counters too
         finals = [out / "digest.txt", out / "lightning.txt"]
         text = " ".join(f.read_text().strip() for f in finals if f.exists())
-        resumes = [e for e in events(out / "run", "runtime.resume") if e.get("rank") == 0]
-        last = resumes[-1] if resumes else {}
         done["digest"] = text or None
-        done["resumed_step"] = last.get("step") if last.get("from_checkpoint") else None
+        done["resumed_step"] = resumed_step(out / "run")
         done["attempts"] = len(events(out / "run", "attempt.start"))
         if done["rc"] != 0:
             failures.append(f"{run_name}: exit {done['rc']} (log {done['log']})")

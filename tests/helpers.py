@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from chaos.procs import REPO, Run, events, latest_event, spawn, wait_for
+from chaos.procs import REPO, Run, events, latest_event, resumed_step, spawn, wait_for
 from chaos.ranks import Ranks, free_port
 from resilient.events import read_events
 from resilient.proctree import alive, kill_tree
@@ -241,17 +241,6 @@ def run_events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
     """Events of every log under <run_dir>/logs (the ranks' and the supervisor's), optionally
     only those named `name`; torn lines are skipped."""
     return read_events(run_dir, name)
-
-
-def resumed_step(run_dir: Path) -> int | None:
-    """The step rank 0's last attempt resumed from a checkpoint at (None: it started fresh).
-
-    An async save commits in the background, so a kill a few steps after a save may land
-    before or after its commit; what is certain is the save before it, which the next save
-    waited for. Tests kill after the second save and accept either committed step."""
-    resumes = [e for e in run_events(run_dir, "runtime.resume") if e.get("rank") == 0]
-    last = resumes[-1] if resumes else {}
-    return int(last["step"]) if last.get("from_checkpoint") else None
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
