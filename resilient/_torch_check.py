@@ -40,6 +40,7 @@ __all__ = [
     "TorchCompatError",
     "check_release",
     "missing",
+    "release",
     "require_attrs",
     "require_import",
     "require_params",
@@ -143,17 +144,23 @@ def _source_file(path: str | None) -> str:
         return f.read()
 
 
+def release(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a torch version string ("2.15.1+cu130": a local build label
+    is ignored); None for a pre-release, a nightly build or anything else."""
+    match = _RELEASE.fullmatch(version)
+    return None if match is None else (int(match[1]), int(match[2]), int(match[3] or 0))
+
+
 def check_release(version: str, *, allow_untested: bool = False) -> None:
     """Accept `version` (torch.__version__, e.g. "2.15.1+cu130"; a local build label is
     ignored) when it is any patch release of a tested minor. A newer minor than the newest
     tested is a warning, not a refusal. A release below the floor, a minor in the range that
     was never tested, a pre-release or nightly build, or no release at all raise
     TorchCompatError naming the range; a warning instead when `allow_untested`."""
-    match = _RELEASE.fullmatch(version)
-    release = tuple(int(x or 0) for x in match.groups()[:3]) if match else None
-    if release is not None and release >= TORCH_FLOOR and release[:2] in TESTED_MINORS:
+    got = release(version)
+    if got is not None and got >= TORCH_FLOOR and got[:2] in TESTED_MINORS:
         return
-    if release is not None and release[:2] > TORCH_NEWEST[:2]:
+    if got is not None and got[:2] > TORCH_NEWEST[:2]:
         warnings.warn(
             f"resilient: torch {version} is a newer minor release than the newest tested, "
             f"{'.'.join(map(str, TORCH_NEWEST))} ({TESTED_RANGE}, "

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from resilient._torch_check import TorchCompatError, missing, require_self_attrs
+from resilient._torch_check import TorchCompatError, missing, release, require_self_attrs
 
 __all__ = [
     "FQNS_UNAVAILABLE",
@@ -183,8 +183,11 @@ def fqns_of(model: torch.nn.Module, name: str) -> set[str]:
 def _stager_closes_after_stage() -> bool:
     try:
         return "_state_dict_stager.close()" in inspect.getsource(DefaultStager._stage)
-    except (OSError, TypeError):  # no source: decided by the release, as measured
-        return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    except (OSError, TypeError):
+        # no source: decided by the release, as measured; one that cannot be read is mended,
+        # which is harmless where it is not needed
+        got = release(str(torch.__version__))
+        return got is None or got < (2, 13, 0)
 
 
 STAGER_CLOSES_AFTER_STAGE = _stager_closes_after_stage()
