@@ -4,7 +4,6 @@ for scripts/gpu_summary.py (run by scripts/gpu_check.sh):
     python scripts/gpu_runs.py hot --work DIR --json hot.json
     python scripts/gpu_runs.py hf --work DIR --json hf.json
     python scripts/gpu_runs.py lightning --work DIR --json lightning.json
-    python scripts/gpu_runs.py exec [-m MODULE | SCRIPT] [ARGS...]
 
 hot: a hot replacement on one GPU. scripts/gpu_hot_worker.py on 2 ranks, both on cuda:0
 (CUDA tensors over gloo), three runs one after the other: fault-free; under --hot-recovery
@@ -17,13 +16,9 @@ what its recovery cost.
 hf, lightning: recipes/train_hf.py and recipes/train_lightning.py under `resilient run` on
 one rank, fault-free and SIGKILLed in the backward of step 27, both at once (they share the
 GPU; only their bits are compared): the killed run restarts from its checkpoint and must end
-on the fault-free digest. The recipes do not turn on deterministic CUDA kernels (the
-hand-written ones do: recipes/common/cli.py's device_for), so both go through `exec`.
-
-exec: run a script (or `-m` module) with deterministic CUDA kernels, as device_for sets them:
-a bitwise resume on a GPU needs them (docs/porting.md#gpu-determinism). An op without a
-deterministic kernel warns in the log instead of failing: the digests say whether it
-mattered.
+on the fault-free digest. Both recipes turn on deterministic CUDA kernels themselves (the
+Trainer's full_determinism, Lightning's deterministic=True), which a bitwise resume on a GPU
+needs (docs/porting.md#gpu-determinism).
 
 `--device cpu` runs the same on the CPU: a smoke test of this script where no GPU is.
 """
@@ -33,8 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import runpy
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,22 +48,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, required=True, help="the result")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     return p.parse_args(argv)
-
-
-def exec_deterministic(argv: list[str]) -> None:
-    """`exec`: deterministic CUDA kernels, then the script or module, as python would run it."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first use
-    import torch
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if argv[:1] == ["-m"]:
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        return
-    script = os.path.abspath(argv[0])
-    sys.argv = [script, *argv[1:]]
-    sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name="__main__")
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Any:
@@ -197,11 +174,10 @@ def framework(args: argparse.Namespace) -> dict[str, Any]:
     elif name == "lightning" and 'accelerator="cpu"' in source and args.device == "cuda":
         why = f"{recipe.name} pins accelerator='cpu' and has no --device option"
         return {**result, "ok": True, "skipped": why}
-    this = str(Path(__file__).resolve())
     started = {}
     for run_name, fault in (("fault_free", None), ("faulty", FRAMEWORK_KILL)):
         out = args.work / run_name
-        cmd = [*resilient_run(1, out), this, "exec", *inject(fault), str(recipe)]
+        cmd = [*resilient_run(1, out), *inject(fault), str(recipe)]
         started[run_name] = (start([*cmd, f"--out={out}", *script], out / "stdout.log"), out)
     runs: dict[str, dict[str, Any]] = {}
     failures: list[str] = []
@@ -236,11 +212,7 @@ def framework(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["exec"]:
-        exec_deterministic(argv[1:])
-        return 0
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     args.work.mkdir(parents=True, exist_ok=True)
     result = hot(args) if args.check == "hot" else framework(args)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
