@@ -8,6 +8,7 @@ simulated time using well under 5% of one core.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from resilient.hang.phases import (
     Phase,
     Progress,
 )
+from resilient.hang.watchdog import CLOSE_LOOK_S
 
 IV = 0.5  # heartbeat interval of the small simulations
 
@@ -114,6 +116,57 @@ def test_sleeper_is_named_not_the_peers_it_blocks() -> None:
     assert found.details[0].phase == "forward" and found.details[0].step == 9
     # the sleeper's last progress was at 9.5 s; named no later than timeout + one interval
     assert t - 9.5 <= 5.0 + IV + 1e-9
+
+
+@pytest.mark.parametrize("beat_phase", [0.0, 0.05, 0.31, 0.49])
+def test_close_looks_name_a_stall_within_one_look_of_its_timeout_never_before(
+    beat_phase: float,
+) -> None:
+    """Beats are written every IV at `beat_phase` past the interval, the monitor looks at
+    its own times, as the watchdog schedules them: every IV, and every CLOSE_LOOK_S while
+    `due_s` says a timeout falls due within two intervals. Rank 1 stops progressing at
+    10.01 s; its forward's timeout is 5 s."""
+    close = min(CLOSE_LOOK_S, IV / 4)
+    clock = [0.0]
+    sim = Sim(2)
+    det = HangDetector(cfg(), range(2), clock=lambda: clock[0])
+    stall_at, looks, written, next_beat = 10.01, 0, [b""] * 2, beat_phase - IV
+    found, due, next_tick, t = None, math.inf, 0.0, 0.0
+    while found is None and t < 40:
+        close_mode = due <= 2 * IV and t + close < next_tick
+        t = round(t + close, 9) if close_mode else next_tick
+        if not close_mode:
+            next_tick = round(next_tick + IV, 9)
+        while next_beat <= t:  # every beat written since the last look, in time order
+            for r in range(2):  # rank 1's last progress: at the stall
+                when = next_beat if r == 0 else min(next_beat, stall_at)
+                sim.set(r, when, phase=Phase.FORWARD, step=1, seq=int(when / 0.01))
+            written = sim.beat(next_beat)
+            next_beat = round(next_beat + IV, 9)
+        clock[0] = t
+        report = det.update(written)
+        looks += 1
+        found, due = report.detection, report.due_s
+    assert found is not None and found.ranks == (1,) and found.kind == "stalled"
+    assert stall_at + 5.0 <= t <= stall_at + 5.0 + close + 1e-6, t
+    assert looks < 40 / IV + 2 * IV / close + 2  # close looks only around the deadline
+
+
+def test_due_s_is_the_nearest_timeout_and_infinite_when_nothing_is_watched() -> None:
+    clock = [0.0]
+    sim = Sim(2)
+    det = HangDetector(cfg(), range(2), clock=lambda: clock[0])
+    for r in range(2):
+        sim.set(r, 0.0, phase=Phase.FORWARD, step=1, seq=1)
+    clock[0] = 1.0
+    report = det.update(sim.beat(1.0))
+    assert report.detection is None and report.due_s == pytest.approx(4.0)  # 5 s timeout
+    liveness = HangDetector(cfg(), [0], liveness_only=True, clock=lambda: clock[0])
+    assert liveness.update(sim.beat(1.0)[:1]).due_s == math.inf  # beating: nothing due
+    clock[0] = 3.2  # no new beat for 2.2 s, over two intervals: the heartbeat timeout nears
+    assert liveness.update(sim.payload[:1]).due_s == pytest.approx(0.8)
+    sim.progress[0].phase = sim.progress[1].phase = Phase.CLOSED
+    assert det.update(sim.beat(2.0)).due_s == math.inf
 
 
 def test_dead_rank_named_after_heartbeat_timeout_and_not_as_stalled() -> None:

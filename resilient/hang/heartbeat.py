@@ -15,8 +15,12 @@ Two signals, two failure modes:
   while every live rank is in a learned phase.
 
 Ages are measured by each rank on its own monotonic clock and aged further by the monitor's
-clock from when it saw the beat, so clocks never need to agree across hosts. Detection
-latency is at most the timeout plus one heartbeat interval.
+clock from when it saw the beat, so clocks never need to agree across hosts. A rank's age
+is known as of the monitor's look at its newest beat, so it is never overestimated: a stall
+is never named before its timeout.
+Each `update()` also says when the next timeout would fall due (`Report.due_s`); the
+watchdog looks closely around then, so a stall is named within one close look (0.1 s at
+most) of its timeout, not one heartbeat interval later.
 """
 
 from __future__ import annotations
@@ -180,6 +184,9 @@ class Straggler:
 class Report:
     detection: Detection | None
     stragglers: tuple[Straggler, ...] = ()
+    due_s: float = math.inf
+    """Seconds until the earliest watched rank would pass a timeout (its progress timeout,
+    or the heartbeat timeout) if nothing moves: the monitor looks again closely then."""
 
 
 class HangDetector:
@@ -262,20 +269,26 @@ class HangDetector:
         # ...and a rank that waited on such a peer is judged by them from when it came back
         # (the detector's last look at it), not from when it began waiting
         age = np.where(learned, np.minimum(progress_age, now - self._excused_at), progress_age)
+        # a beat overdue by two periods: the rank is probably stopped or dead
+        quiet = active & (silent > 2 * self.config.heartbeat_interval_s)
+        live_left = self.config.heartbeat_timeout_s - silent[quiet & ~dead]
+        due = float(live_left.min()) if live_left.size else math.inf
         if dead.any():
             named, kind = dead, "no_heartbeat"
             blocked = np.zeros_like(dead)
         elif self.liveness_only:
-            return Report(None)
+            return Report(None, due_s=due)
         else:
-            # a beat overdue by two periods: the rank is probably stopped or dead; its stale
-            # progress says nothing, so wait for its beat or for the heartbeat timeout
-            quiet = active & (silent > 2 * self.config.heartbeat_interval_s)
+            # a quiet rank's stale progress says nothing: wait for its beat or for the
+            # heartbeat timeout
             over = active & ~quiet & (age > limit)
+            left = (limit - age)[active & ~quiet & ~over]
+            if left.size:
+                due = min(due, float(left.min()))
             if not over.any():
-                return Report(None, self._stragglers(beats, active & warm))
+                return Report(None, self._stragglers(beats, active & warm), due_s=due)
             if quiet.any():
-                return Report(None)
+                return Report(None, due_s=due)
             live = active & ~quiet
             failed = live & ((flags & FLAG_FAILED) != 0)
             if failed.any():
@@ -287,7 +300,7 @@ class HangDetector:
                 seq = beats["seq"]
                 named, kind = live & (seq == seq[live].min()) & over, "stalled"
                 if not named.any():
-                    return Report(None)
+                    return Report(None, due_s=due)
             blocked = over & ~named
 
         def kind_of(i: int) -> str:

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import faulthandler
 import json
+import math
 import os
 import signal
 import threading
@@ -44,7 +45,11 @@ from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase, Progress
 from resilient.hang.verdict import STORE_ERRORS, Verdicts
 from resilient.log import get_logger
 
-__all__ = ["Watchdog"]
+__all__ = ["CLOSE_LOOK_S", "Watchdog"]
+
+CLOSE_LOOK_S = 0.05
+"""How often the monitor looks at the beats while a timeout falls due (at most a quarter of
+the heartbeat interval): the most a stall is named after its timeout, plus a store read."""
 
 
 class Watchdog(Verdicts):
@@ -242,32 +247,57 @@ class Watchdog(Verdicts):
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        """A tick (beat, verdict check, a look at the watched beats) every interval, and
+        close looks in between while a timeout falls due before the next tick or the one
+        after (a watched age is known only as of its last beat seen, up to an interval old;
+        looking every CLOSE_LOOK_S sees each beat within that long of its writing)."""
         interval = self.config.heartbeat_interval_s
+        close = min(CLOSE_LOOK_S, interval / 4)
         next_t = time.monotonic()
+        due = math.inf
         while not self._stop.is_set():
             t0 = time.thread_time()
             try:
-                self._tick()
+                due = self._tick()
                 self._store_trouble_since = None
             except STORE_ERRORS as e:
                 if self._stop.is_set():
                     return
                 self._store_trouble(e)
-            self.cpu_s += time.thread_time() - t0
             self.ticks += 1
             next_t += interval
-            delay = next_t - time.monotonic()
-            if delay < 0:  # fell behind (a long GIL hold): do not burst to catch up
-                next_t, delay = time.monotonic(), 0.0
-            self._stop.wait(delay)
+            if next_t < time.monotonic():  # fell behind (a long GIL hold): no burst
+                next_t = time.monotonic()
+            while due <= 2 * interval and time.monotonic() + close < next_t:
+                self.cpu_s += time.thread_time() - t0
+                if self._stop.wait(close):
+                    return
+                t0 = time.thread_time()
+                try:
+                    due = self._look()
+                except STORE_ERRORS:
+                    break  # the next tick meets it and counts the trouble
+            self.cpu_s += time.thread_time() - t0
+            self._stop.wait(max(0.0, next_t - time.monotonic()))
 
-    def _tick(self) -> None:
+    def _tick(self) -> float:
+        """One period's work; returns when the next timeout falls due (HangDetector)."""
         self._publish()
         if self._store.check([storekeys.VERDICT]):
             self.carry_out(*self._read_verdict())
-            return
+            return math.inf
         if self.hot.enabled:  # survivors that left while this main thread waits on them
             self._departures.poll(self._store, self.progress)
+        due = self._look()
+        if self._stop.is_set():  # a hot verdict carried out: the Runtime stopped this thread
+            return math.inf
+        if self.config.learn_timeouts and self.ticks % self._agree_every == 0:
+            self._agree_learned()
+        self._log_scores()
+        return due
+
+    def _look(self) -> float:
+        """Read the watched ranks' beats and judge them: a verdict, or when to look again."""
         assert self._detector is not None
         report = self._detector.update(self._store.multi_get(self._watch_keys))
         for s in report.stragglers:
@@ -282,10 +312,8 @@ class Watchdog(Verdicts):
         if report.detection is not None and not self._stop.is_set():
             verdict, won = self._claim(self._verdict(report.detection))
             self.carry_out(verdict, won)
-            return
-        if self.config.learn_timeouts and self.ticks % self._agree_every == 0:
-            self._agree_learned()
-        self._log_scores()
+            return math.inf
+        return report.due_s
 
     def _agree_learned(self) -> None:
         """Rank 0 judges by the learned timeouts every rank agreed (hang/learned.py)."""
