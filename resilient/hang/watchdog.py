@@ -87,7 +87,8 @@ class Watchdog(Verdicts):
         self._watch_keys: list[str] = []
         self._signal_file: TextIO | None = None
         self._store_trouble_since: float | None = None
-        self._scores_due = time.monotonic()
+        self.scores_due = time.monotonic()
+        """When local rank 0 next logs the straggler scores (_log_straggler_scores)."""
         self._agree_every = max(1, round(2.0 / config.heartbeat_interval_s))
         self._log = get_logger()
         self._departures = Departures(ctx.rank, stuck_s=config.heartbeat_interval_s)
@@ -293,7 +294,7 @@ class Watchdog(Verdicts):
             return math.inf
         if self.config.learn_timeouts and self.ticks % self._agree_every == 0:
             self._agree_learned()
-        self._log_scores()
+        _log_straggler_scores(self)
         return due
 
     def _look(self) -> float:
@@ -327,29 +328,6 @@ class Watchdog(Verdicts):
                     ev.HANG_TIMEOUTS, step=p.step, timeouts_s=self.learned.named(), pinned=pinned
                 )
 
-    def _log_scores(self) -> None:
-        """Local rank 0 logs every rank's straggler score, every straggler_scores_every_s:
-        one read of all heartbeats, off the training thread."""
-        every = self.config.straggler_scores_every_s
-        if every is None or self.ctx.local_rank != 0 or self.ctx.world_size < 2:
-            return
-        now = time.monotonic()
-        if now < self._scores_due:
-            return
-        self._scores_due = now + every
-        ranks = range(self.ctx.world_size)
-        scores = straggler_scores(
-            self._store.multi_get([storekeys.heartbeat(r) for r in ranks]), ranks
-        )
-        if scores:
-            first = self.rank - self.ctx.local_rank
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            self._log.info(
-                "straggler.scores",
-                scores={str(r): round(v, 3) for r, v in scores.items()},
-                node_ranks=list(range(first, first + local_world)),
-            )
-
     def _publish(self) -> None:
         with self._publish_lock:
             self._beat += 1
@@ -371,3 +349,26 @@ class Watchdog(Verdicts):
             )
             self._log.error("watchdog.exit", code=int(ExitCode.PEER_LOST), kind="store_lost")
             hard_exit(ExitCode.PEER_LOST)
+
+
+def _log_straggler_scores(watchdog: Watchdog) -> None:
+    """Local rank 0 logs every rank's straggler score, every straggler_scores_every_s: one
+    read of all heartbeats, off the training thread."""
+    w = watchdog
+    every, ctx = w.config.straggler_scores_every_s, w.ctx
+    if every is None or ctx.local_rank != 0 or ctx.world_size < 2:
+        return
+    now = time.monotonic()
+    if now < w.scores_due:
+        return
+    w.scores_due = now + every
+    ranks = range(ctx.world_size)
+    scores = straggler_scores(w._store.multi_get([storekeys.heartbeat(r) for r in ranks]), ranks)
+    if scores:
+        first = w.rank - ctx.local_rank
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        w._log.info(
+            "straggler.scores",
+            scores={str(r): round(v, 3) for r, v in scores.items()},
+            node_ranks=list(range(first, first + local_world)),
+        )
