@@ -21,7 +21,7 @@ IMPORT_TIME_EXACT = {"PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECOD
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
 # launchers whose workers come from a nursery forked off them (server._open_nursery)
-LAUNCHERS = {"resilient.cli", "torch.distributed.run"}
+LAUNCHERS = {"resilient.cli", "torch.distributed.run", "chaos.quiet_resize"}
 
 
 def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
