@@ -27,7 +27,8 @@ test-torch: setup
 # CI under its budget), every scenario of chaos/scenarios (some run only here), then 200
 # seeded fault schedules, two at a time (about an hour); a quarter of them in hot
 # mode (SOAK_HOT=0 for cold only); then 40 seeded healthy runs with slow but legitimate
-# events, where no hang verdict may come (chaos/quiet.py, about 25 minutes)
+# events, about a quarter of them with an elastic resize, where no hang verdict may come
+# (chaos/quiet.py, about 35 minutes)
 SOAK_SEED ?= 2026
 SOAK_RUNS ?= 200
 SOAK_HOT ?= 0.25
