@@ -132,12 +132,16 @@ def check_resize(
         for e in by("ckpt.save.committed")
         if e.get("rank") == 0 and member_t is not None and timestamp(e) < member_t
     ]
-    # rank 0's tables after the resume: the first one only once the new world is warm
+    # rank 0's phase tables after the resume: the first one only once the new world is warm
+    # (an event that only says the heartbeat timeout was learned, within seconds, is not one)
     resume_t = timestamp(resumes[-1]) if resumes else None
     relearned = [
         e
         for e in by("hang.timeouts")
-        if e.get("rank") == 0 and resume_t is not None and timestamp(e) > resume_t
+        if e.get("rank") == 0
+        and e.get("timeouts_s")
+        and resume_t is not None
+        and timestamp(e) > resume_t
     ]
     first = relearned[0] if relearned else {}
     done = [e for e in by("runtime.done") if e.get("rank") == 0]

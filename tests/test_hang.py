@@ -76,6 +76,29 @@ def test_stopped_rank_is_reported_by_peers_and_killed(tmp_path: Path) -> None:
     assert latency < WATCHDOG["heartbeat_timeout_s"] + 1 + 2, latency
 
 
+def test_a_stopped_rank_is_named_after_the_learned_heartbeat_timeout(tmp_path: Path) -> None:
+    """A fixed heartbeat timeout of 60 s, but rank 0 learns one from the gaps between the
+    beats it sees (10 x their p99, 1 s at least): rank 1, stopped in a warm step, is named
+    within seconds, saying which timeout fired. Rank 0's detector reads no process state
+    before that, so this is the path for a rank on another host."""
+    codes, ranks = launch_ranks(
+        tmp_path,
+        [PACE, "stop@rank=1,step=15,phase=forward"],
+        "--steps",
+        "40",
+        watchdog={"heartbeat_timeout_s": 60.0, "heartbeat_learn_floor_s": 1.0},
+    )
+    run = tmp_path / "run"
+    assert codes[0] == codes[2] == ExitCode.HANG and codes[1] == -9, codes
+    hang = only_event(run, "hang.detected")
+    assert hang["kind"] == "no_heartbeat" and hang["ranks"] == [1]
+    (named,) = hang["named"]
+    assert named["heartbeat_timeout_kind"] == "learned", named
+    assert 1.0 <= named["heartbeat_timeout_s"] < 15, named
+    latency = timestamp(hang) - fault_time(ranks, 1, "stop")
+    assert latency < named["heartbeat_timeout_s"] + 1 + 2, latency
+
+
 @pytest.mark.parametrize("mode", ["micro", "none"])
 def test_killed_rank_peers_leave_within_the_heartbeat_timeout(tmp_path: Path, mode: str) -> None:
     """With or without a guard around the step (--mode none: the bare loop, where the peers'

@@ -189,6 +189,43 @@ def test_dead_rank_named_after_heartbeat_timeout_and_not_as_stalled() -> None:
     assert 4.5 + 3.0 < t <= 4.5 + 3.0 + IV + 1e-9
 
 
+@pytest.mark.parametrize(
+    ("silent_phase", "limit", "kind"),
+    [(Phase.FORWARD, 5.0, "learned"), (Phase.CHECKPOINT, 30.0, "fixed")],
+)
+def test_a_rank_that_stops_beating_in_a_learned_phase_is_named_after_the_learned_timeout(
+    silent_phase: Phase, limit: float, kind: str
+) -> None:
+    """Beats every IV: the gaps give 10 x 0.5 s = 5 s, under the fixed 30 s. A rank that goes
+    silent in a training phase is named after that; one that goes silent in its checkpoint
+    keeps the fixed timeout (a save may hold the GIL that the heartbeat thread needs)."""
+    clock = [0.0]
+    sim = Sim(3)
+    config = cfg(
+        heartbeat_timeout_s=30.0,
+        heartbeat_learn_floor_s=2.0,
+        timeout_s=60.0,
+        startup_timeout_s=90.0,
+        checkpoint_timeout_s=90.0,
+    )
+    det = HangDetector(config, range(3), clock=lambda: clock[0])
+
+    def step(now: float) -> None:
+        for r in range(3):
+            if now < 10.0:
+                sim.set(r, now, phase=Phase.FORWARD, step=int(now), seq=int(now / IV))
+        if now == 10.0:
+            sim.set(1, now, phase=silent_phase, step=10, seq=100)
+        if now > 10.0:
+            sim.alive[1] = False
+
+    t, found = run_until_detection(det, sim, clock, 60, step)
+    assert found is not None and found.kind == "no_heartbeat" and found.ranks == (1,)
+    d = found.details[0]
+    assert (d.heartbeat_timeout_kind, d.heartbeat_timeout_s) == (kind, pytest.approx(limit))
+    assert 10.0 + limit < t <= 10.0 + limit + IV + 1e-9, t
+
+
 def test_startup_timeout_holds_until_the_first_step() -> None:
     clock = [0.0]
     sim = Sim(2)

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(30)
     [
         ({"learn_factor": 1.5}, "learn_factor .* at least 2"),
         ({"learn_floor_s": 0.2}, "raise learn_floor_s"),
+        ({"heartbeat_learn_floor_s": 0.6}, "raise heartbeat_learn_floor_s"),
         ({"learn_quantile": 0.2}, "learn_quantile"),
         ({"learn_warmup_steps": 0}, "learn_warmup_steps"),
     ],
@@ -233,13 +234,15 @@ def test_the_report_lists_the_learned_and_the_pinned_timeouts(tmp_path: Path) ->
             "restart": 0,
             "ts": "2026-12-01T10:00:05Z",
             "timeouts_s": {"forward": 5.0, "data": 7.5},
+            "heartbeat_timeout_s": 10.4,
             "pinned": ["step"],
         },
     ]
     (logs / "rank0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     rep = analyze(tmp_path)
-    assert rep.hang_timeouts == {"forward": 5.0, "data": 7.5} and rep.hang_pinned == ["step"]
-    assert "learned: forward 5 s, data 7.5 s; pinned: step" in format_report(rep)
+    assert rep.hang_timeouts == {"forward": 5.0, "data": 7.5, "heartbeat": 10.4}
+    assert rep.hang_pinned == ["step"]
+    assert "learned: forward 5 s, data 7.5 s, heartbeat 10.4 s; pinned: step" in format_report(rep)
 
 
 def test_rank_0_agrees_with_the_restored_table_before_the_others_publish_again() -> None:

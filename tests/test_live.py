@@ -121,7 +121,12 @@ def _write_run(run_dir: Path, t: float) -> None:
     a[0].info("straggler.cleared", straggler=1, step=6)
     a[1].warning("straggler.detected", straggler=1, step=7)
     a[0].info("hang.timeouts", step=3, timeouts_s={"forward": 9.0, "backward": 5.0})
-    a[0].info("hang.timeouts", step=5, timeouts_s={"forward": 5.0, "backward": 5.0})
+    a[0].info(
+        "hang.timeouts",
+        step=5,
+        timeouts_s={"forward": 5.0, "backward": 5.0},
+        heartbeat_timeout_s=10.4,
+    )
     a[0].error("hang.detected", ranks=[1], exit_code=81)
     sup.info("attempt.start", restart=1)
     b = [rank_log(r, 1) for r in (0, 1)]
@@ -166,7 +171,7 @@ def test_state_from_a_run_written_by_the_event_pipeline(tmp_path: Path) -> None:
         "oom_retry": 1,
     }
     assert s.restarts == 1 and s.hangs == 1
-    assert s.hang_timeouts == {"forward": 5.0, "backward": 5.0}  # the newest
+    assert s.hang_timeouts == {"forward": 5.0, "backward": 5.0, "heartbeat": 10.4}  # the newest
     assert s.ranks[1].straggler_score == 0.5 and s.ranks[0].straggler_score == 1.0
     assert s.ranks[1].stragglers_detected == 2  # flagged, cleared, flagged again
     assert {n: (c.ok, c.skipped, c.value) for n, c in s.health.items()} == {
@@ -250,6 +255,7 @@ def test_metrics_are_served_on_port_0_and_scraped_over_http(tmp_path: Path) -> N
     assert m[("resilient_recoveries_total", (("kind", "oom_retry"),))] == 1
     assert m[("resilient_hangs_detected_total", ())] == 1
     assert m[("resilient_hang_timeout_learned_seconds", (("phase", "forward"),))] == 5.0
+    assert m[("resilient_hang_timeout_learned_seconds", (("phase", "heartbeat"),))] == 10.4
     assert m[("resilient_straggler_score", (("rank", "1"),))] == 0.5
     assert m[("resilient_stragglers_detected_total", (("rank", "1"),))] == 2
     assert m[("resilient_health_check_ok", (("check", "user"),))] == 0

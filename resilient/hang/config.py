@@ -65,6 +65,13 @@ class WatchdogConfig:
     learn_floor_s: float | None = None
     """No learned timeout below this; default 5 s, or `heartbeat_interval_s` when longer.
     Set below the heartbeat interval, a ConfigError."""
+    heartbeat_learn_floor_s: float | None = None
+    """With `learn_timeouts`: no learned heartbeat timeout below this; default 10 s, or three
+    heartbeat intervals when longer (twice, at least). A monitor learns the
+    heartbeat timeout of ranks in learned phases as max(this, `learn_factor` x the
+    `learn_quantile` gap between their beats), at most `heartbeat_timeout_s`: a process that
+    stops beating on another host is named in about 10 s, not 30. Raise it where a host may
+    starve its ranks' heartbeat threads for longer (a GIL held by an extension, swapping)."""
     learn_quantile: float = 0.99
     """The quantile of a phase's recent durations (its last 512 progress intervals)."""
     barrier_every_steps: int | None = 100
@@ -144,6 +151,14 @@ class WatchdogConfig:
                 f"learn_floor_s ({self.learn_floor_s}) must be at least heartbeat_interval_s "
                 f"({iv}): a timeout shorter than a heartbeat cannot be judged; raise "
                 "learn_floor_s (default 5) or lower heartbeat_interval_s"
+            )
+        if self.heartbeat_learn_floor_s is None:
+            self.heartbeat_learn_floor_s = max(10.0, 3 * iv)
+        if self.heartbeat_learn_floor_s < 2 * iv:
+            raise ConfigError(
+                f"heartbeat_learn_floor_s ({self.heartbeat_learn_floor_s}) must be at least "
+                f"twice heartbeat_interval_s ({iv}): one late beat would read as a dead rank; "
+                "raise heartbeat_learn_floor_s (default 10)"
             )
         if not 0.5 <= self.learn_quantile <= 1:
             raise ConfigError(f"learn_quantile must be in [0.5, 1], got {self.learn_quantile}")

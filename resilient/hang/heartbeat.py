@@ -6,7 +6,9 @@ Pure logic: no thread, no store, no torch.distributed (the watchdog in watchdog.
 Two signals, two failure modes:
 - liveness: a daemon thread bumps the beat counter every `heartbeat_interval_s`, also while the
   main thread is blocked in C++ (a gloo collective releases the GIL). No new beat for
-  `heartbeat_timeout_s` means the process is dead or stopped (SIGSTOP).
+  `heartbeat_timeout_s` means the process is dead or stopped (SIGSTOP); for a rank whose
+  last beat was in a learned phase, the heartbeat timeout learned from the gaps between its
+  beats (hang/learned.py `BeatGaps`, 10 s by default) once known.
 - progress: the main thread moves through phases (data, forward, backward, optimizer, ...).
   The culprits of a stall are the live ranks furthest behind (lowest progress sequence
   number: in a DDP hang the sleeper is still in `forward` while its peers wait in
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from resilient.hang.config import ENV_WATCHDOG, WatchdogConfig
+from resilient.hang.learned import BeatGaps
 from resilient.hang.phases import (
     FLAG_FAILED,
     FLAG_HELD,
@@ -133,6 +136,10 @@ class RankStatus:
     """The micro-batch of its pipeline stage's phase (-1: none)."""
     micro_backward: bool = False
     """That micro-batch is in its backward (else its forward, or just after it)."""
+    heartbeat_timeout_s: float = math.inf
+    """How long it may go without a beat: the learned heartbeat timeout while its last beat
+    was in a learned phase (hang/learned.py BeatGaps), else `heartbeat_timeout_s`."""
+    heartbeat_timeout_kind: str = "fixed"
 
     @property
     def action(self) -> str | None:
@@ -154,7 +161,7 @@ class RankStatus:
             d["action"] = self.action
         else:
             del d["stage"], d["micro"]
-        for k in ("progress_age_s", "silent_s", "timeout_s"):
+        for k in ("progress_age_s", "silent_s", "timeout_s", "heartbeat_timeout_s"):
             d[k] = round(d[k], 3) if math.isfinite(d[k]) else None
         return d
 
@@ -225,6 +232,10 @@ class HangDetector:
         """When a rank was last seen in a phase whose timeout is not learned (update)."""
         """Phases whose warm timeout is learned now (set_learned)."""
 
+        self._gaps = BeatGaps(config) if config.learn_timeouts else None
+        """The beat gaps of ranks in learned phases: the learned heartbeat timeout."""
+        self._steady = np.zeros(n, dtype=bool)
+        """Each rank's last beat was in a learned phase (warm, not a one-off)."""
         self._strag_count = np.zeros(n, dtype=np.int64)
         self._strag_flagged = np.zeros(n, dtype=bool)
         self._strag_step = -1
@@ -236,22 +247,40 @@ class HangDetector:
         self._learned = self._learnable & np.isfinite(t)
         self._learned_t = np.where(self._learned, np.minimum(t, self._warm_t), self._warm_t)
 
+    @property
+    def heartbeat_learned_s(self) -> float:
+        """The heartbeat timeout learned from the beats' gaps (NaN: not yet, or not learning)."""
+        return self._gaps.timeout if self._gaps is not None else math.nan
+
     def update(self, payloads: Sequence[bytes] | bytes, now: float | None = None) -> Report:
         """Fold in one round of heartbeats (in `watch` order) and judge them."""
         beats = decode_beats(payloads)
         if len(beats) != len(self.ranks):
             raise ValueError(f"{len(beats)} heartbeats for {len(self.ranks)} watched ranks")
         now = self._clock() if now is None else now
+        phase = np.minimum(beats["phase"], int(Phase.CLOSED))
+        active = phase != Phase.CLOSED
+        flags = beats["flags"]
+        warm = (flags & FLAG_WARM) != 0
+        one_off = (flags & (FLAG_ONE_OFF | FLAG_HELD)) != 0
         fresh = beats["beat"] != self._beat
+        steady = active & warm & self._training[phase] & ~one_off
+        if self._gaps is not None:  # a gap per beat: two beats between two looks, two gaps
+            kept = fresh & steady & self._steady
+            n_beats = (beats["beat"][kept] - self._beat[kept]).astype(np.float64)
+            self._gaps.add((now - self._seen[kept]) / n_beats)
+        self._steady = steady
         self._beat = beats["beat"].copy()
         self._seen[fresh] = now
         self._age[fresh] = beats["age"][fresh]
         silent = now - self._seen
-        phase = np.minimum(beats["phase"], int(Phase.CLOSED))
-        active = phase != Phase.CLOSED
-        dead = active & (silent > self.config.heartbeat_timeout_s)
-        flags = beats["flags"]
-        warm = (flags & FLAG_WARM) != 0
+        hb_learned = self._gaps is not None and math.isfinite(self._gaps.timeout)
+        hb_limit = np.where(
+            steady & hb_learned,
+            self._gaps.timeout if self._gaps is not None else math.inf,
+            self.config.heartbeat_timeout_s,
+        )
+        dead = active & (silent > hb_limit)
         # before the first step began (step -1): start-up; inside it: the first step's
         # allowance, so a stall right after a resume is named in the first-step timeout
         cold = np.where(beats["step"] >= 0, self._first_t[phase], self._cold_t[phase])
@@ -259,7 +288,6 @@ class HangDetector:
         # legitimately long one (a checkpoint, an eval, a one-off, or a phase its block's
         # code passes through: FLAG_HELD) may hold the others in a collective, and they wait
         # with the fixed timeouts until it is back
-        one_off = (flags & (FLAG_ONE_OFF | FLAG_HELD)) != 0
         learned = self._learned[phase] & ~one_off & warm
         if (active & (~self._training[phase] | one_off | ~warm)).any():
             learned = np.zeros_like(learned)
@@ -271,7 +299,7 @@ class HangDetector:
         age = np.where(learned, np.minimum(progress_age, now - self._excused_at), progress_age)
         # a beat overdue by two periods: the rank is probably stopped or dead
         quiet = active & (silent > 2 * self.config.heartbeat_interval_s)
-        live_left = self.config.heartbeat_timeout_s - silent[quiet & ~dead]
+        live_left = (hb_limit - silent)[quiet & ~dead]
         due = float(live_left.min()) if live_left.size else math.inf
         if dead.any():
             named, kind = dead, "no_heartbeat"
@@ -325,6 +353,8 @@ class HangDetector:
                 stage=int(beats["stage"][i]),
                 micro=int(beats["micro"][i]),
                 micro_backward=bool(flags[i] & FLAG_MICRO_BACKWARD),
+                heartbeat_timeout_s=float(hb_limit[i]),
+                heartbeat_timeout_kind="learned" if steady[i] and hb_learned else "fixed",
             )
 
         idx = np.flatnonzero(named)

@@ -15,6 +15,13 @@ they give, and the table every rank agrees on.
   first completed step on, not from the end of a new warm-up. A table saved on another world
   size is dropped (a resized mesh has other step times): warm-up again, with the ceiling.
 
+- `BeatGaps`: the heartbeat timeout learned the same way from the gaps between the beats
+  a monitor sees of ranks in learned phases (a rank on another host, whose process state no
+  agent of ours can read): max(`heartbeat_learn_floor_s`, `learn_factor` x the gaps'
+  `learn_quantile`), at most `heartbeat_timeout_s`. Each monitor learns it from what it sees
+  (rank 0 of every rank, the others of rank 0), within seconds of a start, so it is neither
+  agreed nor saved.
+
 Only the training phases are learned. Start-up, checkpoint, eval and finish, a pinned phase
 (`phase_timeouts_s`), the first step of an attempt and a one-off interval (FLAG_ONE_OFF:
 an epoch's first batch) keep the fixed timeouts, so legitimately slow events do not fire.
@@ -31,7 +38,7 @@ from resilient import storekeys
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.phases import LEARNED_PHASES, Phase, Progress
 
-__all__ = ["MIN_SAMPLES", "WINDOW", "LearnedTimeouts", "PhaseStats", "agree"]
+__all__ = ["MIN_SAMPLES", "WINDOW", "BeatGaps", "LearnedTimeouts", "PhaseStats", "agree"]
 
 WINDOW = 512
 """Progress intervals kept per phase."""
@@ -69,6 +76,34 @@ class PhaseStats:
         return float(np.quantile(np.asarray(buf[:n], dtype=np.float64), q))
 
 
+class BeatGaps:
+    """The last WINDOW gaps between two beats a monitor saw of ranks in learned phases, and
+    the heartbeat timeout they give (module doc); `timeout` is NaN until MIN_SAMPLES gaps."""
+
+    PER_LOOK = 64
+    """Gaps kept from one look (a look at 16,384 ranks sees as many)."""
+
+    def __init__(self, config: WatchdogConfig) -> None:
+        self.factor, self.q = config.learn_factor, config.learn_quantile
+        self.floor = float(config.heartbeat_learn_floor_s or 0.0)
+        self.ceiling = config.heartbeat_timeout_s
+        self._buf = np.zeros(WINDOW, dtype=np.float64)
+        self._n = 0
+        self.timeout = math.nan
+
+    def add(self, gaps: np.ndarray) -> None:
+        gaps = gaps[: self.PER_LOOK]
+        if not gaps.size:
+            return
+        idx = (self._n + np.arange(gaps.size)) % WINDOW
+        self._buf[idx] = gaps
+        self._n += gaps.size
+        n = min(self._n, WINDOW)
+        if n >= MIN_SAMPLES:
+            learned = self.factor * float(np.quantile(self._buf[:n], self.q))
+            self.timeout = min(self.ceiling, max(self.floor, learned))
+
+
 def agree(tables: list[np.ndarray]) -> np.ndarray:
     """The table every rank judges by: per phase the largest of the ranks' tables (so the
     slowest rank's pace sets it), NaN (the fixed timeout) while any rank's is unknown."""
@@ -90,6 +125,8 @@ class LearnedTimeouts:
         """From the checkpoint this attempt resumed from (NaN: none, or another world size)."""
         self.agreed = np.full(len(Phase), math.nan)
         """The agreed table (rank 0 computes it; the others read it back for their saves)."""
+        self.heartbeat_s = math.nan
+        """Rank 0's learned heartbeat timeout (BeatGaps), as last logged."""
 
     def local(self, stats: PhaseStats, steps_done: int) -> np.ndarray:
         """This rank's table: learned where warm with enough samples, else the restored one."""
@@ -114,6 +151,20 @@ class LearnedTimeouts:
             return True
         both = known_old & known_new
         return bool((np.abs(self.agreed[both] - old[both]) > 0.1 * old[both]).any())
+
+    def adopt_heartbeat(self, seconds: float) -> bool:
+        """Take rank 0's learned heartbeat timeout (NaN: none yet); True when it became known
+        or moved by more than 10 %: worth an event."""
+        old, self.heartbeat_s = self.heartbeat_s, seconds
+        if math.isfinite(old) != math.isfinite(seconds):
+            return True
+        return math.isfinite(old) and abs(seconds - old) > 0.1 * old
+
+    def fields(self) -> dict[str, Any]:
+        """The `hang.timeouts` event's table: the agreed one by phase, and the learned
+        heartbeat timeout (None: the fixed one rules)."""
+        hb = round(self.heartbeat_s, 3) if math.isfinite(self.heartbeat_s) else None
+        return {"timeouts_s": self.named(), "heartbeat_timeout_s": hb}
 
     def named(self, table: np.ndarray | None = None) -> dict[str, float]:
         """{phase name: seconds} of the known entries of `table` (default: the agreed one)."""

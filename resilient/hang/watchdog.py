@@ -322,11 +322,10 @@ class Watchdog(Verdicts):
         agreed = self.learned.exchange(self._store, self.rank, p, self.ctx.world_size)
         if agreed is not None and det is not None:
             det.set_learned(agreed)
-            if self.learned.adopt(agreed):
+            if self.learned.adopt(agreed) | self.learned.adopt_heartbeat(det.heartbeat_learned_s):
                 pinned = sorted(ph.name.lower() for ph in self.config.pinned())
-                self._log.info(
-                    ev.HANG_TIMEOUTS, step=p.step, timeouts_s=self.learned.named(), pinned=pinned
-                )
+                fields = self.learned.fields()
+                self._log.info(ev.HANG_TIMEOUTS, step=p.step, pinned=pinned, **fields)
 
     def _publish(self) -> None:
         with self._publish_lock:

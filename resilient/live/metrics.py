@@ -252,8 +252,8 @@ def _recoveries(s: LiveState) -> list[Metric]:
     hangs.add_metric([], s.hangs)
     learned = GaugeMetricFamily(
         "resilient_hang_timeout_learned_seconds",
-        "The learned hang timeout of a phase that every rank judges by (hang.timeouts); a "
-        "phase without one keeps its fixed timeout",
+        "The learned hang timeout of a phase that every rank judges by (hang.timeouts), and "
+        "rank 0's learned heartbeat timeout (phase=heartbeat); one left out keeps its fixed one",
         labels=["phase"],
     )
     for phase, seconds in sorted(s.hang_timeouts.items()):

@@ -105,8 +105,8 @@ class LiveState:
     recoveries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RECOVERY_KINDS, 0))
     hangs: int = 0
     hang_timeouts: dict[str, float] = field(default_factory=dict)
-    """The learned timeouts every rank judges by, per phase (rank 0's newest hang.timeouts);
-    a phase left out keeps its fixed one."""
+    """The learned timeouts every rank judges by, per phase (rank 0's newest hang.timeouts),
+    and "heartbeat": rank 0's learned heartbeat timeout; one left out keeps its fixed one."""
     health: dict[str, HealthCheck] = field(default_factory=dict)
     health_ok: bool | None = None
     health_rounds: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
@@ -138,6 +138,8 @@ class LiveState:
             self.hangs += 1
         elif name == ev.HANG_TIMEOUTS and rank == 0:
             self.hang_timeouts = {str(k): float(v) for k, v in dict(e["timeouts_s"]).items()}
+            if e.get("heartbeat_timeout_s") is not None:  # learned from the beats' gaps
+                self.hang_timeouts["heartbeat"] = float(e["heartbeat_timeout_s"])
         elif name == ev.STRAGGLER_DETECTED or name == "straggler.cleared":
             self._straggler(name, e)
         elif name == ev.STRAGGLER_SCORES:

@@ -54,8 +54,9 @@ class Cause:
     """The step it was seen at (numeric faults)."""
     timeout: str | None = None
     """For a watchdog verdict, the rule that fired: "learned 5.00 s", "fixed 300.00 s",
-    "pinned 60.00 s", "first_step 360.00 s", "startup ...", "heartbeat" (no beat for
-    heartbeat_timeout_s), "process state" (its agent saw it stopped), "barrier"."""
+    "pinned 60.00 s", "first_step 360.00 s", "startup ...", "heartbeat learned 10.20 s"
+    (no beat for that long; learned from the beats' gaps, or fixed: heartbeat_timeout_s),
+    "process state" (its agent saw it stopped), "barrier"."""
 
 
 def cause_of(window: list[dict[str, Any]]) -> Cause | None:
@@ -109,7 +110,10 @@ def _timeout(verdict: str, named: list[dict[str, Any]]) -> str | None:
     if first.get("timeout_kind") == "process_state":
         return "process state"
     if verdict == "no_heartbeat":
-        return "heartbeat"
+        if first.get("heartbeat_timeout_s") is None:
+            return "heartbeat"
+        kind = first.get("heartbeat_timeout_kind", "fixed")
+        return f"heartbeat {kind} {float(first['heartbeat_timeout_s']):.2f} s"
     if verdict == "barrier":
         return "barrier"
     if verdict != "stalled" or first.get("timeout_s") is None:

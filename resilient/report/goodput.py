@@ -280,6 +280,8 @@ def analyze_events(
     learned = [e for e in rank0 if e.get("event") == ev.HANG_TIMEOUTS]
     if learned:
         report.hang_timeouts = dict(learned[-1].get("timeouts_s") or {})
+        if learned[-1].get("heartbeat_timeout_s") is not None:  # learned from the beats' gaps
+            report.hang_timeouts["heartbeat"] = float(learned[-1]["heartbeat_timeout_s"])
         report.hang_pinned = list(learned[-1].get("pinned") or [])
     if len(committed) >= 2:
         gaps = [
