@@ -13,15 +13,18 @@ Test modules import from here (and fixtures come from conftest.py), never from e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from chaos.forks.wire import PRELOAD_ENV
 from chaos.procs import REPO, Run, events, latest_event, resumed_step, spawn, wait_for
 from chaos.ranks import Ranks, free_port
 from resilient.events import read_events
@@ -40,6 +43,7 @@ __all__ = [
     "Launcher",
     "Result",
     "exit_events",
+    "forks_preloading",
     "free_port",
     "guarded_golden_run",
     "kill_tree",
@@ -72,6 +76,21 @@ Result = tuple[int, str, str]
 
 
 # ---------------------------------------------------------------------- launching
+@contextlib.contextmanager
+def forks_preloading(*modules: str) -> Iterator[None]:
+    """Commands spawned meanwhile fork from a server that imported `modules` too (a
+    framework's, about 3 s of CPU a rank otherwise); chaos/forks/wire.py PRELOAD_ENV."""
+    before = os.environ.get(PRELOAD_ENV)
+    os.environ[PRELOAD_ENV] = ",".join(modules)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PRELOAD_ENV, None)
+        else:
+            os.environ[PRELOAD_ENV] = before
+
+
 class Launcher:
     """Runs commands to completion with a timeout; kills leftovers on close."""
 

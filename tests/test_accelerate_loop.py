@@ -5,14 +5,26 @@ the fault-free bits."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, Launcher, recipe_cmd, resumed_step
+from helpers import REPO_ROOT, Launcher, forks_preloading, recipe_cmd, resumed_step
 
 from resilient.exitcodes import ExitCode
 
 pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _framework_in_forks() -> Iterator[None]:
+    """The ranks fork with the framework imported (tests/helpers.py forks_preloading)."""
+    with forks_preloading(
+        "accelerate",
+        "transformers.models.gpt2.modeling_gpt2",
+    ):
+        yield
+
 
 RECIPE = str(REPO_ROOT / "recipes" / "train_accelerate.py")
 

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, Launcher, recipe_cmd, resumed_step, start, wait_for
+from helpers import REPO_ROOT, Launcher, forks_preloading, recipe_cmd, resumed_step, start, wait_for
 
 from resilient.exitcodes import ExitCode
 
 pl = pytest.importorskip("lightning.pytorch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _framework_in_forks() -> Iterator[None]:
+    """The ranks fork with the framework imported (tests/helpers.py forks_preloading)."""
+    with forks_preloading(
+        "lightning.pytorch",
+        "lightning.pytorch.strategies",
+        "transformers.models.gpt2.modeling_gpt2",
+        "resilient.integrations.lightning",
+    ):
+        yield
+
 
 RECIPE = str(REPO_ROOT / "recipes" / "train_lightning.py")
 

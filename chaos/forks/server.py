@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.forks.client import ForkedPopen, ForkServer, ForkServers, be_subreaper, set_servers
-from chaos.forks.wire import PR_SET_PDEATHSIG, import_time_env, recv, send
+from chaos.forks.wire import PR_SET_PDEATHSIG, PRELOAD_ENV, import_time_env, recv, send
 
 _CLONE_NEWNET = 0x40000000
 # what a rank, a supervisor and the chaos wrapper import: loaded by the server, once
@@ -126,7 +126,8 @@ def _flush() -> None:
 def serve(path: str) -> None:
     """The server: preload, then one command per connection, until its caller exits."""
     parent = os.getppid()
-    for name in _PRELOAD:
+    extra = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m]
+    for name in (*_PRELOAD, *extra):
         __import__(name)
     if threading.active_count() != 1:
         raise SystemExit(f"fork server: threads after the imports: {threading.enumerate()}")

@@ -15,9 +15,14 @@ from typing import Any
 # value differs from its server's gets a server of its own (or, in a launcher, a fresh start)
 IMPORT_TIME_ENV = (
     "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_LOGS", "TORCHDYNAMO_", "TORCHINDUCTOR_",
-    "PYTORCH_", "LD_",
+    "PYTORCH_", "LD_", "HF_", "TRANSFORMERS_", "PL_", "LIGHTNING_",
 )  # fmt: skip
-IMPORT_TIME_EXACT = {"PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE"}
+PRELOAD_ENV = "CHAOS_FORK_PRELOAD"
+"""Comma-separated modules a server imports besides its own list (server._PRELOAD): a test
+module of framework runs sets it, so its ranks fork with transformers or lightning loaded
+(about 3 s of CPU each otherwise). An import-time variable: those commands get a server of
+their own."""
+IMPORT_TIME_EXACT = {"PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", PRELOAD_ENV}
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
 # launchers whose workers come from a nursery forked off them (server._open_nursery)
