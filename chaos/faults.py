@@ -20,6 +20,10 @@ A fault spec is `KIND@key=value,...`:
     spin@rank=1,step=40,phase=forward        busy-loop in Python for ever (or `seconds`):
                                              a stall holding the GIL but for the
                                              interpreter's switch interval
+    freeze@rank=1,step=40,phase=forward      sleep in C holding the GIL (for ever, or
+                                             `seconds`): a wedged extension; every thread
+                                             stops, heartbeats too, the process stays in
+                                             state S (a frozen host, as its peers see it)
     nan@rank=1,step=6,phase=forward          the model's output (so its loss) is NaN in
                                              this forward, once: a NaN loss on one rank
     spike@rank=0,step=9,phase=forward,factor=50   the output scaled by `factor`, once
@@ -36,7 +40,7 @@ this many matches pass first, e.g. skip=1 with phase=backward hits the second en
 step, after the guard's agreement), restart (the TORCHELASTIC_RESTART_COUNT it fires in;
 default 0 so a restarted group runs clean; `any` for every attempt), generation (the
 RESILIENT_GENERATION it fires in, default 0: a hot recovery's replacement and re-run
-survivors run clean; `any` for every one), seconds (for slow, spin and
+survivors run clean; `any` for every one), seconds (for slow, spin, freeze and
 hang). A fault's first firing prints one `chaos.fault {json}` line to stderr (kind, rank,
 step, phase, wall time) and appends a `chaos.fault` event to <run_dir>/logs/chaos.jsonl, as
 the chaos runner does for the faults it sends from outside, so `resilient report` sees both.
@@ -70,6 +74,7 @@ KINDS = {
     "oom_exit": "os._exit(ExitCode.OOM): the process is gone, as after the OOM killer",
     "slow": "sleep `seconds` (default 0.1) each time",
     "spin": "busy-loop in Python (forever, or `seconds`): a stall that competes for the GIL",
+    "freeze": "sleep in C holding the GIL (forever, or `seconds`): heartbeats stop too",
     "nan": "the tracked model's output becomes NaN in this forward (phase forward)",
     "spike": "the tracked model's output is scaled by `factor` in this forward",
     "bad_batch": "nan (or spike, with factor) whenever the step runs, every attempt",
@@ -148,6 +153,11 @@ class Fault:
             deadline = time.monotonic() + (self.seconds if self.seconds is not None else 1e9)
             while time.monotonic() < deadline:
                 sum(range(1000))
+        elif self.kind == "freeze":
+            import ctypes  # PyDLL keeps the GIL through the call, unlike CDLL
+
+            libc = ctypes.PyDLL(None)
+            libc.sleep(ctypes.c_uint(int(self.seconds) if self.seconds is not None else 10**6))
         elif self.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "kill":
