@@ -13,7 +13,11 @@ learned timeouts are agreed (warm-up + 6 s of steps):
 - gil: rank 1 busy-loops in Python in its forward (holds the GIL but for the interpreter's
   switch interval, in which the heartbeat thread runs);
 - sigstop: rank 1 SIGSTOPs itself in its forward (its agent reads /proc);
-- data: rank 1 sleeps in its data phase (fetching a batch).
+- data: rank 1 sleeps in its data phase (fetching a batch);
+- frozen: rank 1 sleeps in C holding the GIL in its forward: its heartbeats stop too, and
+  its process stays in state S, so its agent sees nothing wrong. Rank 0 names it by the
+  heartbeat timeout learned from the beats' gaps: the path of a process frozen on another
+  host.
 
 Per run, from the run's own events (resilient.report.analyze: the chaos record dates the
 stall exactly): detection, stall -> the verdict (s, and as a multiple of the step time), the
@@ -46,6 +50,7 @@ KINDS = {
     "gil": "spin@rank=1,step={s},phase=forward",
     "sigstop": "stop@rank=1,step={s},phase=forward",
     "data": "hang@rank=1,step={s},phase=data",
+    "frozen": "freeze@rank=1,step={s},phase=forward",
 }
 WARMUP = 10
 WATCHDOG = {"learn_warmup_steps": WARMUP}
@@ -53,7 +58,7 @@ WATCHDOG = {"learn_warmup_steps": WARMUP}
 
 def one_run(out: Path, step_s: float, kind: str, *, hot: bool) -> dict[str, Any]:
     """One job with one stall; its detection and recovery figures."""
-    stall = WARMUP + math.ceil(6.0 / step_s) + 2
+    stall = WARMUP + math.ceil(6.0 / step_s) + 5  # between two saves (every 10 steps)
     run = out / "run"
     argv = [sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node", "2"]
     argv += ["--run-dir", str(run), "--monitor-interval", "0.1"]
