@@ -12,12 +12,17 @@ The resume's cost is the faulty run's wall time minus the fault-free one's: the 
 reload, the steps replayed after the checkpoint and, for the stock Trainer, the batches it
 skips to get back to its position. Medians of `--repeats` runs; the per-step overhead is
 resilient's step time over the stock Trainer's.
+
+The step time in two parts, from each fault-free run's step ends on rank 0 (`step_parts`): a
+step away from saves, and what each save adds to the steps after it. Both are read within
+one run, so a load that drifts between runs moves them less than the whole run's time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -30,15 +35,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "train_hf.py"
+SAVE_EVERY = 20  # the recipe's --save-steps, passed explicitly
+AFTER_SAVE = 8  # steps after a save that its cost may reach (an async save's ~250 ms)
 
 # the recipe with a kill at an exact step: a TrainerCallback added by patching the stock
 # Trainer's __init__, which resilient's Trainer calls too, so both get the same fault
 # It also marks, on rank 0 of the restarted attempt, when its process started, when the
 # Trainer began training and when its first step ended, and on rank 1 the kill: the resume's
-# cost in three parts (`resume_parts`).
+# cost in three parts (`resume_parts`). With BENCH_STEP_TIMES, rank 0 writes each step's end
+# there (`step_parts`).
 _KILLING = textwrap.dedent(
     """\
     import json, os, runpy, signal, sys, time
+    STEP_ENDS = {}
     def mark(what):
         with open(os.environ["BENCH_MARKS"], "a") as f:
             f.write(json.dumps({"mark": what, "t": time.time()}) + "\\n")
@@ -54,6 +63,8 @@ _KILLING = textwrap.dedent(
             if restarted and os.environ.get("RANK") == "0":
                 mark("train_begin")
         def on_step_end(self, args, state, control, **kw):
+            if os.environ.get("BENCH_STEP_TIMES") and os.environ.get("RANK") == "0":
+                STEP_ENDS[state.global_step] = time.perf_counter()
             if restarted and os.environ.get("RANK") == "0" and not self.stepped:
                 self.stepped = True
                 mark("first_step")
@@ -61,6 +72,10 @@ _KILLING = textwrap.dedent(
             if first and state.global_step == KILL_AT and os.environ.get("RANK") == "1":
                 mark("kill")
                 os.kill(os.getpid(), signal.SIGKILL)
+        def on_train_end(self, args, state, control, **kw):
+            if STEP_ENDS:
+                with open(os.environ["BENCH_STEP_TIMES"], "w") as f:
+                    json.dump(STEP_ENDS, f)
 
     init = transformers.Trainer.__init__  # resilient's Trainer calls it too
     def patched(self, *a, **k):
@@ -78,19 +93,20 @@ def run(
 ) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    script = [str(RECIPE)]
-    if kill_at is not None:
-        shim = out / "killing.py"
-        shim.write_text(_KILLING)
-        env["BENCH_KILL_AT"] = str(kill_at)
-        env["BENCH_MARKS"] = str(out / "marks.jsonl")
-        script = [str(shim), str(RECIPE)]
+    # the same shim for both runs of both variants: a fault-free run kills nothing
+    shim = out / "killing.py"
+    shim.write_text(_KILLING)
+    env["BENCH_KILL_AT"] = str(kill_at if kill_at is not None else -1)
+    env["BENCH_MARKS"] = str(out / "marks.jsonl")
+    if kill_at is None:
+        env["BENCH_STEP_TIMES"] = str(out / "step_ends.json")
+    script = [str(shim), str(RECIPE)]
     cmd = [
         sys.executable, "-m", "resilient.cli", "run", "--nproc-per-node=2",
         f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
         "--restart-backoff=0", "--restart-jitter=0",
         *script, f"--out={out}", f"--steps={steps}", f"--samples={samples}",
-        *(["--plain"] if plain else []),
+        f"--save-steps={SAVE_EVERY}", *(["--plain"] if plain else []),
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -103,7 +119,22 @@ def run(
         "digest": (out / "digest.txt").read_text().split()[1],
         "step_s": float(runtimes[-1]) / steps if runtimes and kill_at is None else None,
         **(resume_parts(out / "marks.jsonl") if kill_at is not None else {}),
+        **(step_parts(out / "step_ends.json", SAVE_EVERY) if kill_at is None else {}),
     }
+
+
+def step_parts(step_ends: Path, save_every: int) -> dict[str, float]:
+    """The step time in two parts, from one run's step ends on rank 0: `steady_ms`, the
+    median step at least AFTER_SAVE steps past a save (the first save's period left out: the
+    start, the loader's first batches); `save_ms`, what each save adds to the AFTER_SAVE steps
+    after it, over that median (the mean over the saves whose steps all ran)."""
+    ends = {int(k): v for k, v in json.loads(step_ends.read_text()).items()}
+    step = {s: 1000 * (ends[s] - ends[s - 1]) for s in ends if s - 1 in ends and s > save_every}
+    # step s began (s - 1) % save_every steps after the last save
+    steady = statistics.median(ms for s, ms in step.items() if (s - 1) % save_every >= AFTER_SAVE)
+    saves = [k for k in range(save_every, max(step), save_every) if k + AFTER_SAVE in step]
+    added = [sum(step[k + i] - steady for i in range(1, AFTER_SAVE + 1)) for k in saves]
+    return {"steady_ms": steady, "save_ms": statistics.mean(added) if added else math.nan}
 
 
 def resume_parts(marks: Path) -> dict[str, float]:
@@ -179,6 +210,15 @@ def compare(
         )
     ratio = med("resilient/clean", "step_s") / med("stock/clean", "step_s")
     print(f"per-step time, resilient / stock: {ratio:.3f}")
+    if all("steady_ms" in r for k in ("stock/clean", "resilient/clean") for r in rows[k]):
+        print("the step time in two parts (medians of the fault-free runs): a step away from "
+              "saves, and what each save adds to the steps after it")  # fmt: skip
+        print(f"{'variant':<10} {'steady ms':>10} {'per save ms':>12}")
+        for name in ("stock", "resilient"):
+            steady, save = med(f"{name}/clean", "steady_ms"), med(f"{name}/clean", "save_ms")
+            print(f"{name:<10} {steady:>10.1f} {save:>12.0f}")
+        steady_ratio = med("resilient/clean", "steady_ms") / med("stock/clean", "steady_ms")
+        print(f"steady step, resilient / stock: {steady_ratio:.3f}")
     if all("launch_s" in r for k in ("stock/kill", "resilient/kill") for r in rows[k]):
         print("the resume in parts (medians, s): kill to new process, to training's begin, "
               "to the first step's end")  # fmt: skip
