@@ -26,9 +26,11 @@ trap 'rm -f "$types_log"' EXIT
 "$PY" -m mypy >"$types_log" 2>&1 &
 types=$!
 echo "mypy: checking the types beside the suite (pid $types)"
-# Two pytest workers, each test file on one of them (their module fixtures, the shared
-# fault-free runs, stay with their tests); then the few tests marked `solo` alone.
-"$PY" -m pytest -q -n 2 --dist loadfile -m "not extended and not solo"
+# Three pytest workers on two cores (the suite mostly waits: rendezvous rounds, timeouts,
+# restarts; two workers kept the cores about half busy), each test file on one of them
+# (their module fixtures, the shared fault-free runs, stay with their tests); then the few
+# tests marked `solo` alone. RESILIENT_TEST_WORKERS overrides the count.
+"$PY" -m pytest -q -n "${RESILIENT_TEST_WORKERS:-3}" --dist loadfile -m "not extended and not solo"
 suite=$?
 "$PY" -m pytest -q -m "solo and not extended" || suite=1
 wait "$types"
