@@ -52,6 +52,34 @@ def test_fingerprint_sees_values_order_dtype_and_shape() -> None:
     assert _hash({"a": x, "mask": x > 3}, None, 2) != _hash({"a": x, "mask": x > 4}, None, 2)
 
 
+def test_host_fingerprint_is_the_tensor_sum_it_was() -> None:
+    """The host path (Python ints, a dot for 8-byte values) hashes as the tensor path does:
+    a resumed run compares its fingerprints with those an earlier attempt logged."""
+    g = torch.Generator().manual_seed(0)
+    values = [
+        torch.randint(-(2**62), 2**62, (4, 32), generator=g),
+        torch.randn(6, dtype=torch.float64, generator=g) * 1e300,
+        torch.randn(5, dtype=torch.complex64, generator=g),
+        torch.ones(7, dtype=torch.bool),
+        torch.tensor(124),
+    ]
+    total = torch.zeros((), dtype=torch.int64)
+    for i, v in enumerate(values):
+        flat = v.reshape(-1)
+        flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+        flat = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        size = flat.element_size()
+        as_int = {4: torch.int32, 8: torch.int64}[size] if flat.is_floating_point() else flat.dtype
+        flat = flat.view(as_int)
+        w = torch.arange(flat.numel(), dtype=torch.int64) * 0x9E3779B1 * 2 + 1
+        w = w if size > 4 else w.to(torch.int32)
+        total = total + (flat * w).sum(dtype=torch.int64) * (2 * i + 1)
+    fp = StepFingerprints(_Log(), world=1)
+    fp.begin(0)
+    fp.inputs(*values)
+    assert isinstance(fp._hash, int) and (fp._hash - int(total)) % 2**64 == 0
+
+
 def test_first_forward_of_a_step_and_the_observed_loss_make_the_fingerprint() -> None:
     log = _Log()
     fp = StepFingerprints(log, world=2)

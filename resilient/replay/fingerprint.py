@@ -4,10 +4,10 @@ Each completed step gets one `step.fingerprint` event: a 64-bit hash of the tens
 tracked model's first forward of the step received (a forward pre-hook, armed at the step's
 start), and the loss if the script calls `rt.observe(loss=...)`. The hash is a position-
 weighted sum of the tensors' raw bits in int64 (wrapping), computed where the tensor lives:
-one multiply and one sum, no copy of the batch to the host. On CUDA the 8-byte result goes to
-pinned memory without blocking and is read when its event has completed (the step after at the
-latest), so the loop never waits for the device. Integer sums do not depend on the reduction
-order, so the same inputs give the same hash on every run.
+one multiply and one sum (one dot on the host), no copy of the batch to the host. On CUDA the
+8-byte result goes to pinned memory without blocking and is read when its event has completed
+(the step after at the latest), so the loop never waits for the device. Integer sums do not
+depend on the reduction order, so the same inputs give the same hash on every run.
 
 After a resume from step S, `ReplayCheck` compares the fingerprints of the steps this attempt
 runs again with those the earlier attempts of this rank logged (resilient.replay.compare): the first
@@ -86,8 +86,14 @@ class StepFingerprints:
         meta: list[str] = []
         _collect(values, tensors, meta)
         total: Any = 0
-        for i, t in enumerate(tensors):
-            total = total + self._tensor_hash(t) * (2 * i + 1)
+        if all(t.device.type == "cpu" for t in tensors):
+            # on the host nothing is waited for: Python ints, not two tensor ops per input
+            # (the same value modulo 2**64, all flush() keeps)
+            for i, t in enumerate(tensors):
+                total += int(self._tensor_hash(t, host=True)) * (2 * i + 1)
+        else:
+            for i, t in enumerate(tensors):
+                total = total + self._tensor_hash(t) * (2 * i + 1)
         self._hash = total
         self._meta = zlib.crc32("|".join(meta).encode())
 
@@ -148,7 +154,7 @@ class StepFingerprints:
             if self.check is not None:  # a later pipeline stage: its loss alone (runtime/stages.py)
                 self.check.record(step, (str(inputs), lval))
 
-    def _tensor_hash(self, t: torch.Tensor) -> torch.Tensor:
+    def _tensor_hash(self, t: torch.Tensor, *, host: bool = False) -> torch.Tensor:
         flat = t.detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
@@ -158,7 +164,10 @@ class StepFingerprints:
             flat = flat.view(_INT_OF_SIZE[flat.element_size()])
         # narrow values multiply in int32 (wrapping), no widening copy; the sum is int64
         wide = flat.element_size() > 4
-        return (flat * self._weight(flat.numel(), flat.device, wide)).sum(dtype=torch.int64)
+        w = self._weight(flat.numel(), flat.device, wide)
+        if host and flat.dtype == torch.int64:  # one kernel, the same sum (CUDA: no int dot)
+            return flat.dot(w)
+        return (flat * w).sum(dtype=torch.int64)
 
     def _weight(self, n: int, device: torch.device, wide: bool) -> torch.Tensor:
         key = (n, device, wide)
