@@ -343,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--run", nargs=argparse.REMAINDER, help="run its python with these args")
     what.add_argument("--subset", action="store_true", help="run the compatibility subset")
+    parser.add_argument(
+        "--no-demo",
+        action="store_true",
+        help="with --subset: the tests only, not the shortened demo before them",
+    )
     what.add_argument(
         "--prefetch",
         action="store_true",
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     python = str(target / "bin" / "python")
     env = {**os.environ, BASE_VAR: base}
     if args.subset:
-        return subset(python, env, str(info["torch"]))
+        return subset(python, env, str(info["torch"]), demo=not args.no_demo)
     if args.run is None:
         print(python)
         return 0
@@ -397,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     return subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
 
 
-def subset(python: str, env: dict[str, str], torch_version: str) -> int:
-    """The demo, then SUBSET under pytest, with this torch; the first failure's status."""
+def subset(python: str, env: dict[str, str], torch_version: str, *, demo: bool = True) -> int:
+    """The demo (unless not `demo`), then SUBSET under pytest, with this torch; the first
+    failure's status."""
     with tempfile.TemporaryDirectory(prefix="resilient-torch-subset-") as out:
         basetemp = ["--basetemp", str(Path(out, "pytest"))]
         steps = [
@@ -411,7 +417,7 @@ def subset(python: str, env: dict[str, str], torch_version: str) -> int:
                 [python, "-m", "pytest", "-q", *XDIST, "-m", "not extended", *basetemp, *SUBSET],
             ),
         ]
-        for name, cmd in steps:
+        for name, cmd in steps if demo else steps[1:]:
             print(f"torch-env: torch {torch_version}: {name}: {' '.join(cmd[1:])}", flush=True)
             t0 = time.monotonic()
             rc = subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode

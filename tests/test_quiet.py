@@ -29,7 +29,7 @@ def test_slow_but_legitimate_events_draw_no_verdict(tmp_path: Path) -> None:
     assert lengths["slow_step"] == pytest.approx(20 * sc.step_s)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # 33-36 s with two nodes: make soak; CI runs slow_events above
 @pytest.mark.timeout(200)
 def test_an_elastic_resize_draws_no_verdict(tmp_path: Path) -> None:
     """A second node joins a learned run: the only restart is the agent's membership change
