@@ -21,7 +21,7 @@ clock from when it saw the beat, so clocks never need to agree across hosts. A r
 is known as of the monitor's look at its newest beat, so it is never overestimated: a stall
 is never named before its timeout.
 Each `update()` also says when the next timeout would fall due (`Report.due_s`); the
-watchdog looks closely around then, so a stall is named within one close look (0.1 s at
+watchdog looks closely around then, so a stall is named within one close look (0.05 s at
 most) of its timeout, not one heartbeat interval later.
 """
 
@@ -274,11 +274,9 @@ class HangDetector:
         self._seen[fresh] = now
         self._age[fresh] = beats["age"][fresh]
         silent = now - self._seen
-        hb_learned = self._gaps is not None and math.isfinite(self._gaps.timeout)
+        hb_learned = math.isfinite(self.heartbeat_learned_s)
         hb_limit = np.where(
-            steady & hb_learned,
-            self._gaps.timeout if self._gaps is not None else math.inf,
-            self.config.heartbeat_timeout_s,
+            steady & hb_learned, self.heartbeat_learned_s, self.config.heartbeat_timeout_s
         )
         dead = active & (silent > hb_limit)
         # before the first step began (step -1): start-up; inside it: the first step's

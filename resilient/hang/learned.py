@@ -38,7 +38,15 @@ from resilient import storekeys
 from resilient.hang.config import WatchdogConfig
 from resilient.hang.phases import LEARNED_PHASES, Phase, Progress
 
-__all__ = ["MIN_SAMPLES", "WINDOW", "BeatGaps", "LearnedTimeouts", "PhaseStats", "agree"]
+__all__ = [
+    "MIN_SAMPLES",
+    "WINDOW",
+    "BeatGaps",
+    "LearnedTimeouts",
+    "PhaseStats",
+    "agree",
+    "table_of",
+]
 
 WINDOW = 512
 """Progress intervals kept per phase."""
@@ -108,6 +116,15 @@ def agree(tables: list[np.ndarray]) -> np.ndarray:
     """The table every rank judges by: per phase the largest of the ranks' tables (so the
     slowest rank's pace sets it), NaN (the fixed timeout) while any rank's is unknown."""
     return np.max(np.stack(tables), axis=0)
+
+
+def table_of(event: dict[str, Any]) -> dict[str, float]:
+    """A `hang.timeouts` event's learned timeouts (LearnedTimeouts.fields): per phase, and
+    "heartbeat" when the heartbeat timeout was learned."""
+    table = {str(k): float(v) for k, v in dict(event.get("timeouts_s") or {}).items()}
+    if event.get("heartbeat_timeout_s") is not None:
+        table["heartbeat"] = float(event["heartbeat_timeout_s"])
+    return table
 
 
 class LearnedTimeouts:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient import events as ev
+from resilient.hang.learned import table_of
 
 __all__ = ["RECOVERY_KINDS", "STEP_BUCKETS", "HealthCheck", "LiveState", "RankState"]
 
@@ -137,9 +138,7 @@ class LiveState:
         if name == ev.HANG_DETECTED:
             self.hangs += 1
         elif name == ev.HANG_TIMEOUTS and rank == 0:
-            self.hang_timeouts = {str(k): float(v) for k, v in dict(e["timeouts_s"]).items()}
-            if e.get("heartbeat_timeout_s") is not None:  # learned from the beats' gaps
-                self.hang_timeouts["heartbeat"] = float(e["heartbeat_timeout_s"])
+            self.hang_timeouts = table_of(e)
         elif name == ev.STRAGGLER_DETECTED or name == "straggler.cleared":
             self._straggler(name, e)
         elif name == ev.STRAGGLER_SCORES:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient import events as ev
+from resilient.hang.learned import table_of
 from resilient.report.logs import _number_attempts_across_launches, load_events
 from resilient.report.optimum import young_daly
 from resilient.report.recovery import recoveries
@@ -279,9 +280,7 @@ def analyze_events(
     )
     learned = [e for e in rank0 if e.get("event") == ev.HANG_TIMEOUTS]
     if learned:
-        report.hang_timeouts = dict(learned[-1].get("timeouts_s") or {})
-        if learned[-1].get("heartbeat_timeout_s") is not None:  # learned from the beats' gaps
-            report.hang_timeouts["heartbeat"] = float(learned[-1]["heartbeat_timeout_s"])
+        report.hang_timeouts = table_of(learned[-1])
         report.hang_pinned = list(learned[-1].get("pinned") or [])
     if len(committed) >= 2:
         gaps = [
