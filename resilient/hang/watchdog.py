@@ -87,8 +87,7 @@ class Watchdog(Verdicts):
         self._watch_keys: list[str] = []
         self._signal_file: TextIO | None = None
         self._store_trouble_since: float | None = None
-        self.scores_due = time.monotonic()
-        """When local rank 0 next logs the straggler scores (_log_straggler_scores)."""
+        self._scores = _StragglerScores(config, ctx)
         self._agree_every = max(1, round(2.0 / config.heartbeat_interval_s))
         self._log = get_logger()
         self._departures = Departures(ctx.rank, stuck_s=config.heartbeat_interval_s)
@@ -294,7 +293,7 @@ class Watchdog(Verdicts):
             return math.inf
         if self.config.learn_timeouts and self.ticks % self._agree_every == 0:
             self._agree_learned()
-        _log_straggler_scores(self)
+        self._scores.log(self._store, self._log)
         return due
 
     def _look(self) -> float:
@@ -350,24 +349,30 @@ class Watchdog(Verdicts):
             hard_exit(ExitCode.PEER_LOST)
 
 
-def _log_straggler_scores(watchdog: Watchdog) -> None:
-    """Local rank 0 logs every rank's straggler score, every straggler_scores_every_s: one
-    read of all heartbeats, off the training thread."""
-    w = watchdog
-    every, ctx = w.config.straggler_scores_every_s, w.ctx
-    if every is None or ctx.local_rank != 0 or ctx.world_size < 2:
-        return
-    now = time.monotonic()
-    if now < w.scores_due:
-        return
-    w.scores_due = now + every
-    ranks = range(ctx.world_size)
-    scores = straggler_scores(w._store.multi_get([storekeys.heartbeat(r) for r in ranks]), ranks)
-    if scores:
-        first = w.rank - ctx.local_rank
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        w._log.info(
-            "straggler.scores",
-            scores={str(r): round(v, 3) for r, v in scores.items()},
-            node_ranks=list(range(first, first + local_world)),
-        )
+class _StragglerScores:
+    """Local rank 0 logs every rank's straggler score every straggler_scores_every_s: one
+    read of all heartbeats, off the training thread (the live metrics read the event)."""
+
+    def __init__(self, config: WatchdogConfig, ctx: DistContext) -> None:
+        self.every = config.straggler_scores_every_s
+        self.ctx = ctx
+        self.due = time.monotonic()
+
+    def log(self, store: Any, log: Any) -> None:
+        ctx = self.ctx
+        if self.every is None or ctx.local_rank != 0 or ctx.world_size < 2:
+            return
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + self.every
+        ranks = range(ctx.world_size)
+        scores = straggler_scores(store.multi_get([storekeys.heartbeat(r) for r in ranks]), ranks)
+        if scores:
+            first = ctx.rank - ctx.local_rank
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            log.info(
+                "straggler.scores",
+                scores={str(r): round(v, 3) for r, v in scores.items()},
+                node_ranks=list(range(first, first + local_world)),
+            )
