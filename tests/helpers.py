@@ -13,7 +13,6 @@ Test modules import from here (and fixtures come from conftest.py), never from e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -76,19 +75,18 @@ Result = tuple[int, str, str]
 
 
 # ---------------------------------------------------------------------- launching
-@contextlib.contextmanager
-def forks_preloading(*modules: str) -> Iterator[None]:
-    """Commands spawned meanwhile fork from a server that imported `modules` too (a
-    framework's, about 3 s of CPU a rank otherwise); chaos/forks/wire.py PRELOAD_ENV."""
-    before = os.environ.get(PRELOAD_ENV)
-    os.environ[PRELOAD_ENV] = ",".join(modules)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(PRELOAD_ENV, None)
-        else:
-            os.environ[PRELOAD_ENV] = before
+def forks_preloading(*modules: str) -> Any:
+    """A module-scoped autouse fixture: the module's commands fork from a server that
+    imported `modules` too (a framework's, about 3 s of CPU a rank otherwise;
+    chaos/forks/wire.py PRELOAD_ENV). Assign it to a name in the test module."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def preloading() -> Iterator[None]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(PRELOAD_ENV, ",".join(modules))
+            yield
+
+    return preloading
 
 
 class Launcher:

@@ -5,7 +5,6 @@ the fault-free bits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,10 @@ from resilient.exitcodes import ExitCode
 pytest.importorskip("accelerate")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _framework_in_forks() -> Iterator[None]:
-    """The ranks fork with the framework imported (tests/helpers.py forks_preloading)."""
-    with forks_preloading(
-        "accelerate",
-        "transformers.models.gpt2.modeling_gpt2",
-    ):
-        yield
+_framework_in_forks = forks_preloading(  # the ranks fork with the framework imported
+    "accelerate",
+    "transformers.models.gpt2.modeling_gpt2",
+)
 
 
 RECIPE = str(REPO_ROOT / "recipes" / "train_accelerate.py")

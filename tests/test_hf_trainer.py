@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,16 +28,12 @@ from resilient.exitcodes import ExitCode
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _framework_in_forks() -> Iterator[None]:
-    """The ranks fork with the framework imported (tests/helpers.py forks_preloading)."""
-    with forks_preloading(
-        "transformers.models.gpt2.modeling_gpt2",
-        "transformers.trainer",
-        "transformers.training_args",
-        "resilient.integrations.hf",
-    ):
-        yield
+_framework_in_forks = forks_preloading(  # the ranks fork with the framework imported
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.trainer",
+    "transformers.training_args",
+    "resilient.integrations.hf",
+)
 
 
 RECIPE = str(REPO_ROOT / "recipes" / "train_hf.py")

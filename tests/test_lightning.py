@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,12 @@ from resilient.exitcodes import ExitCode
 pl = pytest.importorskip("lightning.pytorch")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _framework_in_forks() -> Iterator[None]:
-    """The ranks fork with the framework imported (tests/helpers.py forks_preloading)."""
-    with forks_preloading(
-        "lightning.pytorch",
-        "lightning.pytorch.strategies",
-        "transformers.models.gpt2.modeling_gpt2",
-        "resilient.integrations.lightning",
-    ):
-        yield
+_framework_in_forks = forks_preloading(  # the ranks fork with the framework imported
+    "lightning.pytorch",
+    "lightning.pytorch.strategies",
+    "transformers.models.gpt2.modeling_gpt2",
+    "resilient.integrations.lightning",
+)
 
 
 RECIPE = str(REPO_ROOT / "recipes" / "train_lightning.py")
