@@ -273,6 +273,53 @@ def test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path: Path) -> None:
     assert rep.productive_s == pytest.approx(10.0)  # steps 0-9, each once
 
 
+def test_a_node_joining_is_a_membership_change_not_a_fault(tmp_path: Path) -> None:
+    """A second node joins a healthy run: torch elastic stops the group (it saves on its way
+    out, as at a preemption) and starts it again in the larger world, with the restart count
+    still 0. That restart is no fault: it is listed apart, timed from the agent's decision,
+    and does not take the slow step injected earlier as its cause or count in the MTBF."""
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 100, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
+        {**_progress(0, 0, 7, 1.0, 1.0), "pid": 100},
+        {"event": "preempt.stop", "rank": 0, "restart": 0, "pid": 100, "step": 8, "t": 9.2},
+        {
+            "event": "ckpt.save.committed",
+            "rank": 0,
+            "restart": 0,
+            "pid": 100,
+            "step": 8,
+            "mode": "sync",
+            "seconds": 0.2,
+            "t": 9.4,
+        },
+        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 200, "t": 12.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 200, "step": 8, "t": 13.0},
+        {**_progress(0, 8, 11, 13.0, 1.0), "pid": 200},
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    sup = {"source": "supervisor", "pid": 50}
+    _write(
+        tmp_path,
+        "supervisor_a.jsonl",
+        [
+            {**sup, "event": "supervisor.start", "t": -1.0},
+            {**sup, "event": "attempt.start", "restart": 0, "world_size": 2, "t": -0.5},
+            {**sup, "event": "restart.membership", "grace_s": 30.0, "t": 9.0},
+            {**sup, "event": "attempt.start", "restart": 0, "world_size": 4, "t": 11.5},
+        ],
+    )
+    _write(tmp_path, "chaos.jsonl", [{"event": "chaos.fault", "kind": "slow", "t": 4.0}])
+    rep = analyze(tmp_path)
+    assert rep.attempts == 2 and rep.final_step == 12
+    assert rep.faults == [] and rep.mtbf_s is None
+    (joined,) = rep.membership
+    assert joined.kind == "node joined" and joined.steps_lost == 0
+    assert joined.fault_t == pytest.approx(T0 + 9.0)
+    assert joined.recover_s == pytest.approx(5.0)  # the decision at 9 s, the next step at 14 s
+    assert "membership change    a node joined (not a fault)" in format_report(rep)
+
+
 def _hot_run(tmp_path: Path) -> Path:
     """Attempt 0: steps 0-5, a raise at t=7.2 rolled back in place to step 4 (agreed 7.3, done
     7.5), steps 4-9 again from 7.6, an OOM retried in place at t=14.1 (step 10), steps 10-11;

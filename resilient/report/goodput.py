@@ -36,7 +36,7 @@ from resilient.hang.learned import table_of
 from resilient.report.logs import _number_attempts_across_launches, load_events
 from resilient.report.optimum import young_daly
 from resilient.report.recovery import recoveries
-from resilient.report.results import RunReport
+from resilient.report.results import MEMBERSHIP, RunReport
 
 __all__ = ["analyze", "analyze_events", "prepare_events"]
 
@@ -247,7 +247,9 @@ def analyze_events(
         save_cost, basis = save_cost_s, "given"
     chaos = [e for e in events if e.get("event") == "chaos.fault"]
 
-    faults = recoveries(events, rank0, inits, resumes, progress, attempts, chaos, start)
+    joins = [e["t"] for e in events if e.get("event") == "restart.membership"]
+    found = recoveries(events, rank0, inits, resumes, progress, attempts, chaos, start, joins)
+    faults = [f for f in found if f.recovery != MEMBERSHIP]
     wall = end - start
     # one-time start-up: to the first step, or to the first fault if one came before it (the
     # rest is that fault's restart)
@@ -263,6 +265,7 @@ def analyze_events(
         save_cost_s=save_cost,
         saves=len(committed),
         faults=faults,
+        membership=[f for f in found if f.recovery == MEMBERSHIP],
         blocked_s=blocked,
         save_cost_basis=basis,
         save_slowdown_s=slowdown,

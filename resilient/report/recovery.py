@@ -6,6 +6,10 @@ recovery.hot.formed or oom.retry). Each is matched with its own fault: the chaos
 events name (causes.py: the kind, and a time estimated from the logs). Its costs (detection,
 restart to the resumed state, the first step completed after it, the steps run again) are
 measured from that fault.
+
+A cold restart whose attempt saw the agent's `restart.membership` (a node joined; torch
+elastic stops a healthy group for it) had no fault: it is labelled MEMBERSHIP, timed from
+the agent's decision, and matched with no chaos fault.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from typing import Any
 
 from resilient import events as ev
 from resilient.report.causes import Cause, cause_of
-from resilient.report.results import COLD, HOT_REPLACEMENT, HOT_ROLLBACK, RETRY, FaultReport
+from resilient.report.results import (
+    COLD,
+    HOT_REPLACEMENT,
+    HOT_ROLLBACK,
+    MEMBERSHIP,
+    RETRY,
+    FaultReport,
+)
 
 __all__ = ["recoveries"]
 
@@ -42,11 +53,16 @@ def recoveries(
     attempts: list[int],
     chaos: list[dict[str, Any]],
     start: float,
+    membership: list[float] | None = None,
 ) -> list[FaultReport]:
     """Every recovery of the run in time order: cold restarts (a new attempt) and hot ones
     (rank 0's rollback.done, recovery.hot.formed or oom.retry), each labelled by its own
     fault: the first chaos.fault since the recovery before it (without one, the fault time
-    is estimated from the logs)."""
+    is estimated from the logs). `membership`: the times of the agents' restart.membership;
+    a cold restart of an attempt that saw one is a MEMBERSHIP change, not a fault."""
+    began: dict[int, float] = {}  # each attempt's first runtime.init (events are in time order)
+    for e in inits:
+        began.setdefault(int(e["restart"]), e["t"])
     marks: list[tuple[float, str, int, dict[str, Any] | None]] = []  # (t, kind, attempt, event)
     for a in attempts[:-1]:
         nxt = next((e for e in inits if int(e["restart"]) == a + 1), None)
@@ -61,13 +77,25 @@ def recoveries(
     prev_t = start
     used: set[int] = set()
     for t, kind, a, done in marks:
-        mine = [i for i, c in enumerate(chaos) if i not in used and prev_t - 0.001 <= c["t"] <= t]
+        joined = (
+            min((m for m in membership or () if began.get(a, start) <= m <= t), default=None)
+            if kind == COLD
+            else None
+        )
+        if joined is not None:
+            kind = MEMBERSHIP
+        cold = kind in (COLD, MEMBERSHIP)
+        mine = [
+            i
+            for i, c in enumerate(chaos)
+            if joined is None and i not in used and prev_t - 0.001 <= c["t"] <= t
+        ]
         if mine:
             used.add(mine[0])
         cause = cause_of([e for e in events if prev_t - 0.001 <= e["t"] <= t])
         if kind == RETRY:  # the guard's retry of an OOM names itself
             cause = Cause("oom", cause.fault_t if cause else t, cause.detect_t if cause else t)
-        if kind == COLD:
+        if cold:
             in_attempt = [e["t"] for e in events if int(e.get("restart", -1)) == a and e["t"] <= t]
             est = max(in_attempt, default=t)
         else:  # the agreement that named it, or the retry itself
@@ -77,11 +105,11 @@ def recoveries(
             )
         if cause is not None:  # the run's own events date it (a hang: its last heartbeat)
             est = cause.fault_t
-        fault_t = chaos[mine[0]]["t"] if mine else est
+        fault_t = chaos[mine[0]]["t"] if mine else est if joined is None else joined
         detected = [
             e["t"] for e in events if e.get("event") in _DETECT and fault_t - 0.001 <= e["t"] <= t
         ]
-        if kind == COLD:
+        if cold:
             resumed = resumes.get(a + 1)
             restored_t = resumed["t"] if resumed else None
             after = [w for w in progress if int(w.get("restart", 0)) == a + 1]
@@ -108,22 +136,26 @@ def recoveries(
         # the first step completed after the recovery: a window's first step, or (in place,
         # where the window a retry came in goes on) rank 0's step.fingerprint, one per step
         ends = [float(w["t1_first"]) for w in after]
-        if kind != COLD:
+        if not cold:
             ends += [
                 e["t"]
                 for e in rank0
                 if e.get("event") == ev.STEP_FINGERPRINT and int(e.get("restart", 0)) == a
             ]
         first_step = min((x for x in ends if x >= t), default=None)
+        if joined is not None:  # the agent's own decision: nothing to detect, no cause
+            label, cause, detect_t = "node joined", None, joined
+        elif mine:
+            label = str(chaos[mine[0]].get("kind", "?"))
+        else:
+            label = cause.kind if cause is not None else "unknown"
         out.append(
             FaultReport(
                 attempt=a,
-                kind=str(chaos[mine[0]].get("kind", "?"))
-                if mine
-                else (cause.kind if cause is not None else "unknown"),
+                kind=label,
                 step=cause.step if cause is not None and cause.kind == "numeric" else None,
                 fault_t=fault_t,
-                exact_time=bool(mine),
+                exact_time=bool(mine) or joined is not None,
                 detect_s=detect_t - fault_t,
                 restart_s=(restored_t - fault_t) if restored_t is not None else None,
                 recover_s=(first_step - fault_t) if first_step is not None else None,

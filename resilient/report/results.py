@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COLD", "HOT_REPLACEMENT", "HOT_ROLLBACK", "RETRY", "FaultReport", "RunReport"]
+__all__ = [
+    "COLD",
+    "HOT_REPLACEMENT",
+    "HOT_ROLLBACK",
+    "MEMBERSHIP",
+    "RETRY",
+    "FaultReport",
+    "RunReport",
+]
 
 HOT_ROLLBACK = "hot rollback"
 """Every rank rolled back in place to an in-memory snapshot; no process lost."""
@@ -15,6 +23,10 @@ RETRY = "oom retry"
 """The OOM guard retried the batch in smaller micro-batches, in place."""
 COLD = "cold restart"
 """The group was restarted: fresh processes, the newest checkpoint."""
+MEMBERSHIP = "membership change"
+"""Not a fault: a node joined, so the agents stopped the healthy group (it saved on its way
+out) and started it again in the larger world. Kept apart from the faults (MTBF, restart
+cost)."""
 
 
 @dataclass(slots=True)
@@ -34,7 +46,7 @@ class FaultReport:
     """Steps completed before the fault that had to be run again (a lower bound when the
     failed attempt's last progress event was lost with it)."""
     recovery: str = COLD
-    """COLD, HOT_ROLLBACK, HOT_REPLACEMENT or RETRY."""
+    """COLD, HOT_ROLLBACK, HOT_REPLACEMENT, RETRY, or MEMBERSHIP (RunReport.membership)."""
     step: int | None = None
     """The step a numerical fault was seen at (None for other kinds)."""
     timeout: str | None = None
@@ -57,6 +69,8 @@ class RunReport:
     save_cost_s: float | None
     saves: int
     faults: list[FaultReport] = field(default_factory=list)
+    membership: list[FaultReport] = field(default_factory=list)
+    """Restarts for a node that joined (recovery MEMBERSHIP): their cost, not faults."""
     mtbf_s: float | None = None
     restart_cost_s: float | None = None
     optimal_interval_s: float | None = None

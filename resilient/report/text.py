@@ -77,6 +77,12 @@ def format_report(rep: RunReport) -> str:
             "recoveries           "
             + ", ".join(f"{sum(f.recovery == k for f in rep.faults)} {k}" for k in kinds)
         )
+    for m in rep.membership:
+        lines.append(
+            f"membership change    a node joined (not a fault): the group saved and restarted, "
+            f"its next step {s(m.recover_s)} after the agent's decision, steps lost "
+            + ("-" if m.steps_lost is None else str(m.steps_lost))
+        )
     if rep.optimal_goodput is not None:
         ratio = rep.goodput_over_optimum
         run_opt = rep.optimal_run_goodput
