@@ -238,6 +238,20 @@ def test_a_given_save_cost_stands_in_when_the_run_cannot_measure_its_own(run_dir
     assert rep.blocked_s == pytest.approx(0.1)
 
 
+def _sync_save(pid: int, step: int, t: float) -> dict:
+    """Rank 0's synchronous save of `step` in attempt 0, committed at `t` (a stop's save)."""
+    return {
+        "event": "ckpt.save.committed",
+        "rank": 0,
+        "restart": 0,
+        "pid": pid,
+        "step": step,
+        "mode": "sync",
+        "seconds": 0.2,
+        "t": t,
+    }
+
+
 def test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path: Path) -> None:
     """A preemption ends the launch and the same command is launched again: its restart count
     starts at 0 again, yet it is the run's second attempt, and the fault between them (a
@@ -247,16 +261,7 @@ def test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path: Path) -> None:
         {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
         _progress(0, 0, 5, 1.0, 1.0),
         {"event": "preempt.stop", "rank": 0, "restart": 0, "pid": 100, "step": 6, "t": 7.2},
-        {
-            "event": "ckpt.save.committed",
-            "rank": 0,
-            "restart": 0,
-            "pid": 100,
-            "step": 6,
-            "mode": "sync",
-            "seconds": 0.2,
-            "t": 7.4,
-        },
+        _sync_save(100, 6, 7.4),
         {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 200, "t": 12.0},
         {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 200, "step": 6, "t": 13.0},
         {**_progress(0, 6, 9, 13.0, 1.0), "pid": 200},
@@ -283,16 +288,7 @@ def test_a_node_joining_is_a_membership_change_not_a_fault(tmp_path: Path) -> No
         {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
         {**_progress(0, 0, 7, 1.0, 1.0), "pid": 100},
         {"event": "preempt.stop", "rank": 0, "restart": 0, "pid": 100, "step": 8, "t": 9.2},
-        {
-            "event": "ckpt.save.committed",
-            "rank": 0,
-            "restart": 0,
-            "pid": 100,
-            "step": 8,
-            "mode": "sync",
-            "seconds": 0.2,
-            "t": 9.4,
-        },
+        _sync_save(100, 8, 9.4),
         {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 200, "t": 12.0},
         {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 200, "step": 8, "t": 13.0},
         {**_progress(0, 8, 11, 13.0, 1.0), "pid": 200},
