@@ -316,6 +316,45 @@ def test_a_node_joining_is_a_membership_change_not_a_fault(tmp_path: Path) -> No
     assert "membership change    a node joined (not a fault)" in format_report(rep)
 
 
+def test_a_node_joining_after_a_failure_restart_is_an_attempt_of_its_own(tmp_path: Path) -> None:
+    """One launch: a kill restarts the group (torch's count 0 -> 1), then a node joins, which
+    restarts it again with the count still 1. Three attempts, one fault, one membership
+    change; each step counts once."""
+    ev = [
+        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 100, "t": 0.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
+        {**_progress(0, 0, 5, 1.0, 1.0), "pid": 100},
+        _sync_save(100, 4, 5.5),
+        {"event": "runtime.init", "rank": 0, "restart": 1, "pid": 200, "t": 10.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 1, "pid": 200, "step": 4, "t": 11.0},
+        {**_progress(1, 4, 9, 11.0, 1.0), "pid": 200},
+        {**_sync_save(200, 10, 17.4), "restart": 1},
+        {"event": "runtime.init", "rank": 0, "restart": 1, "pid": 300, "t": 20.0},
+        {"event": "runtime.resume", "rank": 0, "restart": 1, "pid": 300, "step": 10, "t": 21.0},
+        {**_progress(1, 10, 13, 21.0, 1.0), "pid": 300},
+    ]
+    _write(tmp_path, "rank0.jsonl", ev)
+    sup = {"source": "supervisor", "pid": 50}
+    _write(
+        tmp_path,
+        "supervisor_a.jsonl",
+        [
+            {**sup, "event": "supervisor.start", "t": -1.0},
+            {**sup, "event": "worker.failed", "restart": 0, "rank": None, "t": 7.0},
+            {**sup, "event": "restart.membership", "grace_s": 30.0, "t": 17.0},
+        ],
+    )
+    _write(tmp_path, "chaos.jsonl", [{"event": "chaos.fault", "kind": "kill", "t": 6.5}])
+    rep = analyze(tmp_path)
+    assert rep.attempts == 3 and rep.final_step == 14
+    (fault,) = rep.faults
+    assert fault.kind == "kill" and fault.attempt == 0 and fault.steps_lost == 2
+    (joined,) = rep.membership
+    assert joined.attempt == 1 and joined.steps_lost == 0
+    assert joined.recover_s == pytest.approx(5.0)  # the decision at 17 s, the next step at 22 s
+    assert rep.productive_s == pytest.approx(14.0)  # steps 0-13, each once
+
+
 def _hot_run(tmp_path: Path) -> Path:
     """Attempt 0: steps 0-5, a raise at t=7.2 rolled back in place to step 4 (agreed 7.3, done
     7.5), steps 4-9 again from 7.6, an OOM retried in place at t=14.1 (step 10), steps 10-11;

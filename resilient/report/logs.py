@@ -39,39 +39,52 @@ def load_events(run_dir: str | Path) -> list[dict[str, Any]]:
 def _number_attempts_across_launches(events: list[dict[str, Any]]) -> None:
     """Make `restart` count attempts over the whole run, in place.
 
-    Within one launch `restart` is torch elastic's restart count. A preemption ends the
-    launch, and the next launch (the same command again) counts from 0: its attempts would
-    merge with the first launch's. A rank process's launch is known from its own
-    `runtime.init` (restart 0 starts a new launch for that rank), the supervisor's from its
-    pid; each launch is then offset by the attempts of the launches before it."""
+    Within one launch `restart` is torch elastic's restart count, which misses two kinds of
+    new attempt: a preemption ends the launch and the next launch (the same command again)
+    counts from 0, and a membership change (a node joined) restarts the group without
+    counting. Either way a rank's new process (not a hot replacement) comes with a count no
+    higher than its last process's, and so starts a new segment for that rank; a supervisor's
+    segment is that of the first rank process it started. Each segment is then offset by the
+    attempts of the segments before it. Approximations kept: a rank that exists only after a
+    grow counts its first segment as the run's first, and a supervisor's events after a
+    membership change keep its first segment's numbering."""
     rank_launch: dict[tuple[Any, Any], int] = {}
     launches_of_rank: dict[Any, int] = {}
+    last_count: dict[Any, int] = {}  # rank -> its newest process's restart count
     sup_launch: dict[Any, int] = {}
-    most: dict[int, int] = {}  # launch -> highest restart seen in it
+    waiting: list[Any] = []  # supervisors started since the last rank process
+    most: dict[int, int] = {}  # segment -> highest restart seen in it
+    least: dict[int, int] = {}  # segment -> lowest
     for e in events:
-        if e.get("event") == "runtime.init" and e.get("rank") is not None:
-            key = (e["rank"], e.get("pid"))
-            if key in rank_launch:
-                continue
-            n = launches_of_rank.get(e["rank"], -1)
-            if int(e.get("generation") or 0) > 0 and n >= 0:
-                # a hot replacement: a new process in the same attempt, not a relaunch
-                rank_launch[key] = n
-                continue
-            if int(e.get("restart", 0)) == 0 or n < 0:
-                n += 1
-            launches_of_rank[e["rank"]] = n
-            rank_launch[key] = n
-            most[n] = max(most.get(n, 0), int(e.get("restart", 0)))
-        elif e.get("event") == "supervisor.start" and e.get("pid") not in sup_launch:
-            sup_launch[e.get("pid")] = len(sup_launch)
+        if e.get("event") == "supervisor.start":
+            if e.get("pid") not in sup_launch and e.get("pid") not in waiting:
+                waiting.append(e.get("pid"))
+            continue
+        if e.get("event") != "runtime.init" or e.get("rank") is None:
+            continue
+        key = (e["rank"], e.get("pid"))
+        if key in rank_launch:
+            continue
+        n = launches_of_rank.get(e["rank"], -1)
+        count = int(e.get("restart", 0))
+        # a hot replacement (generation > 0) is a new process in the same attempt
+        if n < 0 or (int(e.get("generation") or 0) == 0 and count <= last_count[e["rank"]]):
+            n += 1
+        launches_of_rank[e["rank"]] = n
+        last_count[e["rank"]] = count
+        rank_launch[key] = n
+        most[n] = max(most.get(n, 0), count)
+        least[n] = min(least.get(n, count), count)
+        for pid in waiting:  # a supervisor's segment: that of the first rank it started
+            sup_launch[pid] = n
+        waiting.clear()
     if len(most) < 2:
         return  # one launch: restart already counts every attempt
     offset: dict[int, int] = {}
     acc = 0
     for n in sorted(most):
-        offset[n] = acc
-        acc += most[n] + 1
+        offset[n] = acc - least[n]
+        acc += most[n] - least[n] + 1
     for e in events:
         if "restart" not in e:
             continue
