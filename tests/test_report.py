@@ -278,32 +278,50 @@ def test_a_relaunch_after_a_preemption_is_a_new_attempt(tmp_path: Path) -> None:
     assert rep.productive_s == pytest.approx(10.0)  # steps 0-9, each once
 
 
+def _process(restart: int, pid: int, t: float, first: int, last: int) -> list[dict]:
+    """Rank 0's process `pid` in attempt `restart`: started at `t`, resumed at step `first`
+    one second later, then steps first..last at 1 s each."""
+    return [
+        {"event": "runtime.init", "rank": 0, "restart": restart, "pid": pid, "t": t},
+        {
+            "event": "runtime.resume",
+            "rank": 0,
+            "restart": restart,
+            "pid": pid,
+            "step": first,
+            "t": t + 1.0,
+        },
+        {**_progress(restart, first, last, t + 1.0, 1.0), "pid": pid},
+    ]
+
+
+def _write_supervisor(run_dir: Path, *events: dict) -> None:
+    """One supervisor process's log: its start at t=-1, then `events`."""
+    sup = {"source": "supervisor", "pid": 50}
+    _write(
+        run_dir,
+        "supervisor_a.jsonl",
+        [{**sup, "event": "supervisor.start", "t": -1.0}, *({**sup, **e} for e in events)],
+    )
+
+
 def test_a_node_joining_is_a_membership_change_not_a_fault(tmp_path: Path) -> None:
     """A second node joins a healthy run: torch elastic stops the group (it saves on its way
     out, as at a preemption) and starts it again in the larger world, with the restart count
     still 0. That restart is no fault: it is listed apart, timed from the agent's decision,
     and does not take the slow step injected earlier as its cause or count in the MTBF."""
     ev = [
-        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 100, "t": 0.0},
-        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
-        {**_progress(0, 0, 7, 1.0, 1.0), "pid": 100},
+        *_process(0, 100, 0.0, 0, 7),
         {"event": "preempt.stop", "rank": 0, "restart": 0, "pid": 100, "step": 8, "t": 9.2},
         _sync_save(100, 8, 9.4),
-        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 200, "t": 12.0},
-        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 200, "step": 8, "t": 13.0},
-        {**_progress(0, 8, 11, 13.0, 1.0), "pid": 200},
+        *_process(0, 200, 12.0, 8, 11),
     ]
     _write(tmp_path, "rank0.jsonl", ev)
-    sup = {"source": "supervisor", "pid": 50}
-    _write(
+    _write_supervisor(
         tmp_path,
-        "supervisor_a.jsonl",
-        [
-            {**sup, "event": "supervisor.start", "t": -1.0},
-            {**sup, "event": "attempt.start", "restart": 0, "world_size": 2, "t": -0.5},
-            {**sup, "event": "restart.membership", "grace_s": 30.0, "t": 9.0},
-            {**sup, "event": "attempt.start", "restart": 0, "world_size": 4, "t": 11.5},
-        ],
+        {"event": "attempt.start", "restart": 0, "world_size": 2, "t": -0.5},
+        {"event": "restart.membership", "grace_s": 30.0, "t": 9.0},
+        {"event": "attempt.start", "restart": 0, "world_size": 4, "t": 11.5},
     )
     _write(tmp_path, "chaos.jsonl", [{"event": "chaos.fault", "kind": "slow", "t": 4.0}])
     rep = analyze(tmp_path)
@@ -321,28 +339,17 @@ def test_a_node_joining_after_a_failure_restart_is_an_attempt_of_its_own(tmp_pat
     restarts it again with the count still 1. Three attempts, one fault, one membership
     change; each step counts once."""
     ev = [
-        {"event": "runtime.init", "rank": 0, "restart": 0, "pid": 100, "t": 0.0},
-        {"event": "runtime.resume", "rank": 0, "restart": 0, "pid": 100, "step": 0, "t": 1.0},
-        {**_progress(0, 0, 5, 1.0, 1.0), "pid": 100},
+        *_process(0, 100, 0.0, 0, 5),
         _sync_save(100, 4, 5.5),
-        {"event": "runtime.init", "rank": 0, "restart": 1, "pid": 200, "t": 10.0},
-        {"event": "runtime.resume", "rank": 0, "restart": 1, "pid": 200, "step": 4, "t": 11.0},
-        {**_progress(1, 4, 9, 11.0, 1.0), "pid": 200},
+        *_process(1, 200, 10.0, 4, 9),
         {**_sync_save(200, 10, 17.4), "restart": 1},
-        {"event": "runtime.init", "rank": 0, "restart": 1, "pid": 300, "t": 20.0},
-        {"event": "runtime.resume", "rank": 0, "restart": 1, "pid": 300, "step": 10, "t": 21.0},
-        {**_progress(1, 10, 13, 21.0, 1.0), "pid": 300},
+        *_process(1, 300, 20.0, 10, 13),
     ]
     _write(tmp_path, "rank0.jsonl", ev)
-    sup = {"source": "supervisor", "pid": 50}
-    _write(
+    _write_supervisor(
         tmp_path,
-        "supervisor_a.jsonl",
-        [
-            {**sup, "event": "supervisor.start", "t": -1.0},
-            {**sup, "event": "worker.failed", "restart": 0, "rank": None, "t": 7.0},
-            {**sup, "event": "restart.membership", "grace_s": 30.0, "t": 17.0},
-        ],
+        {"event": "worker.failed", "restart": 0, "rank": None, "t": 7.0},
+        {"event": "restart.membership", "grace_s": 30.0, "t": 17.0},
     )
     _write(tmp_path, "chaos.jsonl", [{"event": "chaos.fault", "kind": "kill", "t": 6.5}])
     rep = analyze(tmp_path)
