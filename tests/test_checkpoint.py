@@ -480,6 +480,37 @@ def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
     assert state_digest(model2, opt2) == want
 
 
+@pytest.mark.timeout(120)
+def test_an_optimizer_made_after_an_async_save_waits_for_its_copy(tmp_path: Path) -> None:
+    """A loop that replaces its optimizer right after an async save: the new optimizer has no
+    fence of its own yet, so the model's forward (fenced even without buffers) holds its first
+    step until the copy is done, and the checkpoint keeps the parameters of the save."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 2048)).sum().backward()
+    opt.step()
+    want = [p.detach().clone() for p in model.parameters()]
+
+    mgr = manager(tmp_path / "ckpt", async_save=True)
+    try:
+        mgr.save(TrainState(model=model, optimizer=opt, rng=False), step=1)
+        assert len(model._forward_pre_hooks) == 1, "a model without buffers is fenced too"
+        fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+        model(torch.randn(4, 2048)).sum().backward()
+        fresh.step()
+        assert mgr.wait() == 1
+    finally:
+        mgr.close()
+    assert not model._forward_pre_hooks, "close() leaves no hook behind"
+
+    torch.manual_seed(1)
+    model2 = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    assert manager(tmp_path / "ckpt").load_latest(TrainState(model=model2, optimizer=opt2)) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
+
+
 def test_captured_blobs_do_not_change_with_training() -> None:
     """An async save packs its blobs later, on its own thread: what is packed is the state
     at the save, whatever the loop does to the scheduler meanwhile."""

@@ -10,8 +10,11 @@ While the stager copies, the live tensors must not change (pytorch#144657: DCP's
 save leaves that to its caller, and an update that lands mid-copy tears the checkpoint). So
 the first async save of a model and optimizer fences them (`fence`): hooks that make
 `optimizer.step()` (parameters, optimizer state) and the model's forward (buffers: BatchNorm
-statistics, DDP's buffer broadcast) wait for the copy first. A caller who changes tensors by
-other means (an in-place edit of a parameter) calls `wait_staged()` before.
+statistics, DDP's buffer broadcast) wait for the copy first. The forward is fenced even in a
+model without buffers: an optimizer made after the save (a loop that replaces its optimizer)
+has no hook of its own until the next save, and its first step comes after a forward. A
+caller who changes tensors by other means (an in-place edit of a parameter) calls
+`wait_staged()` before.
 """
 
 from __future__ import annotations
@@ -80,11 +83,10 @@ class SavePipeline:
             if known is not None and known[0]() is obj:
                 continue
             if obj is optimizer:
-                handles = [optimizer.register_step_pre_hook(wait)]
+                handle = optimizer.register_step_pre_hook(wait)
             else:
-                has_buffers = any(True for _ in model.buffers())
-                handles = [model.register_forward_pre_hook(wait)] if has_buffers else []
-            self._fenced[id(obj)] = (weakref.ref(obj), handles)
+                handle = model.register_forward_pre_hook(wait)
+            self._fenced[id(obj)] = (weakref.ref(obj), [handle])
 
     def submit(self, job: Callable[..., int | None], *args: Any) -> None:
         """Run the save `job(*args)` (its committed step, or None) on the save thread."""
