@@ -446,15 +446,20 @@ def test_a_format_1_manifest_with_crc32_still_loads(tmp_path: Path) -> None:
     assert c.digest() == before
 
 
+def _wide_pair(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Two 2048-wide linear layers without bias or buffers and their AdamW: 32 MiB of
+    parameters plus 64 MiB of moments once stepped, so an async save's copy takes a while."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
 @pytest.mark.timeout(120)
 def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
     """pytorch#144657: after an async save returns, mutating live tensors must not leak into
     the checkpoint. The manager fences its own saves: optimizer.step() waits for the copy,
     with no hook of the caller's, and close() takes the fence away."""
-    torch.manual_seed(0)
-    # 32 MiB of parameters plus 64 MiB of AdamW moments: staging takes a noticeable time.
-    model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = _wide_pair(seed=0)
     model(torch.randn(4, 2048)).sum().backward()
     opt.step()
     want = state_digest(model, opt)
@@ -473,9 +478,7 @@ def test_async_save_fence_keeps_pre_mutation_values(tmp_path: Path) -> None:
         mgr.close()
     assert not opt._optimizer_step_pre_hooks, "close() leaves no hook behind"
 
-    torch.manual_seed(1)
-    model2 = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    model2, opt2 = _wide_pair(seed=1)
     assert manager(tmp_path / "ckpt").load_latest(TrainState(model=model2, optimizer=opt2)) == 1
     assert state_digest(model2, opt2) == want
 
@@ -485,9 +488,7 @@ def test_an_optimizer_made_after_an_async_save_waits_for_its_copy(tmp_path: Path
     """A loop that replaces its optimizer right after an async save: the new optimizer has no
     fence of its own yet, so the model's forward (fenced even without buffers) holds its first
     step until the copy is done, and the checkpoint keeps the parameters of the save."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = _wide_pair(seed=0)
     model(torch.randn(4, 2048)).sum().backward()
     opt.step()
     want = [p.detach().clone() for p in model.parameters()]
@@ -504,9 +505,7 @@ def test_an_optimizer_made_after_an_async_save_waits_for_its_copy(tmp_path: Path
         mgr.close()
     assert not model._forward_pre_hooks, "close() leaves no hook behind"
 
-    torch.manual_seed(1)
-    model2 = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    model2, opt2 = _wide_pair(seed=1)
     assert manager(tmp_path / "ckpt").load_latest(TrainState(model=model2, optimizer=opt2)) == 1
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
