@@ -82,33 +82,37 @@ def recoveries(
             if kind == COLD
             else None
         )
-        if joined is not None:
-            kind = MEMBERSHIP
+        if joined is not None:  # the agent's own decision: no fault to look for, none detected
+            kind, mine, cause, fault_t = MEMBERSHIP, [], None, joined
+            detected = [joined]
+        else:
+            mine = [
+                i for i, c in enumerate(chaos) if i not in used and prev_t - 0.001 <= c["t"] <= t
+            ]
+            if mine:
+                used.add(mine[0])
+            cause = cause_of([e for e in events if prev_t - 0.001 <= e["t"] <= t])
+            if kind == RETRY:  # the guard's retry of an OOM names itself
+                cause = Cause("oom", cause.fault_t if cause else t, cause.detect_t if cause else t)
+            if kind == COLD:
+                in_attempt = [
+                    e["t"] for e in events if int(e.get("restart", -1)) == a and e["t"] <= t
+                ]
+                est = max(in_attempt, default=t)
+            else:  # the agreement that named it, or the retry itself
+                est = next(
+                    (e["t"] for e in rank0 if prev_t <= e["t"] <= t and e.get("event") in _DETECT),
+                    t,
+                )
+            if cause is not None:  # the run's own events date it (a hang: its last heartbeat)
+                est = cause.fault_t
+            fault_t = chaos[mine[0]]["t"] if mine else est
+            detected = [
+                e["t"]
+                for e in events
+                if e.get("event") in _DETECT and fault_t - 0.001 <= e["t"] <= t
+            ]
         cold = kind in (COLD, MEMBERSHIP)
-        mine = [
-            i
-            for i, c in enumerate(chaos)
-            if joined is None and i not in used and prev_t - 0.001 <= c["t"] <= t
-        ]
-        if mine:
-            used.add(mine[0])
-        cause = cause_of([e for e in events if prev_t - 0.001 <= e["t"] <= t])
-        if kind == RETRY:  # the guard's retry of an OOM names itself
-            cause = Cause("oom", cause.fault_t if cause else t, cause.detect_t if cause else t)
-        if cold:
-            in_attempt = [e["t"] for e in events if int(e.get("restart", -1)) == a and e["t"] <= t]
-            est = max(in_attempt, default=t)
-        else:  # the agreement that named it, or the retry itself
-            est = next(
-                (e["t"] for e in rank0 if prev_t <= e["t"] <= t and e.get("event") in _DETECT),
-                t,
-            )
-        if cause is not None:  # the run's own events date it (a hang: its last heartbeat)
-            est = cause.fault_t
-        fault_t = chaos[mine[0]]["t"] if mine else est if joined is None else joined
-        detected = [
-            e["t"] for e in events if e.get("event") in _DETECT and fault_t - 0.001 <= e["t"] <= t
-        ]
         if cold:
             resumed = resumes.get(a + 1)
             restored_t = resumed["t"] if resumed else None
@@ -143,8 +147,8 @@ def recoveries(
                 if e.get("event") == ev.STEP_FINGERPRINT and int(e.get("restart", 0)) == a
             ]
         first_step = min((x for x in ends if x >= t), default=None)
-        if joined is not None:  # the agent's own decision: nothing to detect, no cause
-            label, cause, detect_t = "node joined", None, joined
+        if joined is not None:
+            label = "node joined"
         elif mine:
             label = str(chaos[mine[0]].get("kind", "?"))
         else:
