@@ -42,8 +42,8 @@ class SavePipeline:
         self._staged: Future[Any] | None = None
         self._pending: Future[int | None] | None = None
         self._retention: Future[None] | None = None
-        self._fenced: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
-        """id of each fenced model or optimizer -> (a reference to it, its hooks' handles)."""
+        self._fenced: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        """id of each fenced model or optimizer -> (a reference to it, its hook's handle)."""
 
     def start_threads(self) -> None:
         """Start the save's and the stager's threads now: started by the first save, each
@@ -86,7 +86,7 @@ class SavePipeline:
                 handle = optimizer.register_step_pre_hook(wait)
             else:
                 handle = model.register_forward_pre_hook(wait)
-            self._fenced[id(obj)] = (weakref.ref(obj), [handle])
+            self._fenced[id(obj)] = (weakref.ref(obj), handle)
 
     def submit(self, job: Callable[..., int | None], *args: Any) -> None:
         """Run the save `job(*args)` (its committed step, or None) on the save thread."""
@@ -132,9 +132,8 @@ class SavePipeline:
         try:
             self.wait()
         finally:
-            for _, handles in self._fenced.values():
-                for h in handles:
-                    h.remove()
+            for _, handle in self._fenced.values():
+                handle.remove()
             self._fenced.clear()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
