@@ -33,6 +33,10 @@ A fault spec is `KIND@key=value,...`:
     bitflip@rank=2,step=6,phase=optimizer    flip bit `bit` (default 20) of one parameter
                                              element of this rank's model, once: silent
                                              data corruption of one DDP replica
+    fork_stall@rank=1,step=0,phase=data      the next process this rank forks (a loader
+                                             worker, as the step's first batch starts an
+                                             epoch) never runs its Python: a worker stuck
+                                             in its fork (CPython gh-112275)
 
 Keys: rank (default: every rank), step (default: every step), phase (default: step; any
 resilient phase name), times (how often it fires; default 1, `slow` unlimited), skip (let
@@ -80,6 +84,7 @@ KINDS = {
     "bad_batch": "nan (or spike, with factor) whenever the step runs, every attempt",
     "bitflip": "flip bit `bit` (default 20) of one element of the first parameter of the "
     "tracked model on this rank: silent data corruption of one replica",
+    "fork_stall": "the next child this rank forks blocks before its first line of Python",
 }
 
 
@@ -166,6 +171,28 @@ class Fault:
             from resilient.exitcodes import ExitCode
 
             os._exit(int(ExitCode.OOM))
+        elif self.kind == "fork_stall":
+            _stall_next_fork()
+
+
+_fork_stall = {"armed": False, "hooked": False}
+
+
+def _stall_next_fork() -> None:
+    """The next child this process forks sleeps for ever in an at-fork hook, before
+    multiprocessing starts it (so before a loader's worker_init_fn): from outside, what a
+    child deadlocked in the interpreter's own after-fork code looks like."""
+    if not _fork_stall["hooked"]:
+        os.register_at_fork(
+            after_in_child=_stall_if_armed, after_in_parent=lambda: _fork_stall.update(armed=False)
+        )
+        _fork_stall["hooked"] = True
+    _fork_stall["armed"] = True
+
+
+def _stall_if_armed() -> None:
+    while _fork_stall["armed"]:
+        time.sleep(3600)
 
 
 def _flip_bit(bit: int) -> None:

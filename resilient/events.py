@@ -124,6 +124,10 @@ HANG_TIMEOUTS = "hang.timeouts"
 {phase: seconds} (hang/learned.py), and the phases `phase_timeouts_s` pins (never learned);
 the live metrics export them."""
 WORKER_FAILED = "worker.failed"
+DATA_FORK_DEADLOCK_PRONE = "data.fork_deadlock_prone"
+"""A tracked loader forks its workers on an interpreter that can deadlock a forked child
+(CPython gh-112275; data/worker_start.py): num_workers, named_after_s (when the watchdog names
+a worker stuck in its fork; None with the watchdog off), fix (what to upgrade to)."""
 PREEMPT_STOP = "preempt.stop"
 PREEMPT_EXIT = "preempt.exit"
 CHAOS_FAULT = "chaos.fault"

@@ -6,6 +6,7 @@ an uninterrupted run; bad options are refused before step 0 with the fix."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -16,6 +17,7 @@ from helpers import (
     REPO_ROOT,
     Launcher,
     forks_preloading,
+    latest_event,
     recipe_cmd,
     resumed_step,
     run_cmd,
@@ -23,6 +25,7 @@ from helpers import (
     wait_for,
 )
 
+from resilient.data.worker_start import fork_deadlock_prone
 from resilient.exitcodes import ExitCode
 
 transformers = pytest.importorskip("transformers")
@@ -69,6 +72,30 @@ def test_kill_9_resumes_bit_for_bit(tmp_path: Path, launcher: Launcher, fault_fr
     )
     assert code == ExitCode.OK, err[-4000:]
     assert resumed_step(tmp_path / "run") in (10, 20), err[-4000:]
+    assert _digest(tmp_path) == fault_free
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not fork_deadlock_prone(), reason="this interpreter has CPython's fix")
+def test_a_loader_worker_stuck_in_its_fork_restarts_bit_for_bit(
+    tmp_path: Path, launcher: Launcher, fault_free: str
+) -> None:
+    """Rank 1's first loader worker of epoch 2 (step 32: 16 steps an epoch) never starts, as
+    on CPython before 3.11.10 (resilient/data/worker_start.py): it is named in seconds, not
+    at the phase's timeout, the run restarts from step 20 and ends equal."""
+    code, _, err = launcher.run(
+        _run(tmp_path, faults=("fork_stall@rank=1,step=32,phase=data",)),
+        timeout=200,
+        env={"RESILIENT_WATCHDOG": json.dumps({"worker_start_timeout_s": 3.0})},
+    )
+    assert code == ExitCode.OK, err[-4000:]
+    hang = latest_event(tmp_path / "run", "hang.detected")
+    assert hang is not None and hang["ranks"] == [1], err[-4000:]
+    (named,) = hang["named"]
+    assert (named["step"], named["phase"], named["timeout_kind"]) == (32, "data", "worker_start")
+    assert 3.0 <= named["progress_age_s"] < 10.0, named
+    assert resumed_step(tmp_path / "run") == 20
     assert _digest(tmp_path) == fault_free
 
 

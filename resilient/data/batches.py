@@ -12,6 +12,7 @@ skipped or seen twice (see resilient/data/position.py).
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -44,6 +45,9 @@ class ResumableBatches:
         """The batch size the batch sampler was set to (batch policy "exact"), if another."""
         self.drawn = 0
         """Batches handed out by this process (never saved): DataPosition counts them a step."""
+        self.iter_started_at: float | None = None
+        """Wall time the main thread entered `iter(loader)`, which forks the workers; None
+        outside (data/worker_start.py names a worker stuck in its fork meanwhile)."""
 
     @property
     def batch_size(self) -> int | None:
@@ -96,8 +100,12 @@ class ResumableBatches:
         advanced to the next one."""
         if self._it is None:
             self._set_epoch()
-            with torch.random.fork_rng(devices=[]):
-                self._it = iter(self.loader)
+            self.iter_started_at = time.time()
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    self._it = iter(self.loader)
+            finally:
+                self.iter_started_at = None
             self._pending_loader = None  # the iterator now carries it
         try:
             batch = next(self._it)

@@ -48,6 +48,11 @@ class WatchdogConfig:
     resume is named after this long, not after `startup_timeout_s`. Default: `timeout_s` plus
     60 s for those one-time costs, at most `startup_timeout_s` (6 min with the defaults, not
     15). Raise it when the first step compiles (torch.compile) for longer than that."""
+    worker_start_timeout_s: float = 15.0
+    """A tracked loader's worker forked this long ago that has not started yet is stuck in its
+    fork (a CPython bug before 3.10.15 / 3.11.10: data/worker_start.py); its rank is named
+    then, not at the phase's timeout. Watched on affected interpreters only; a forked worker
+    starts within milliseconds."""
     checkpoint_timeout_s: float = 1800.0
     """Timeout of the checkpoint, eval and finish phases."""
     phase_timeouts_s: dict[str, float] = field(default_factory=dict)
@@ -129,6 +134,11 @@ class WatchdogConfig:
                 f"timeout_s ({self.timeout_s}), what any later step gets, and "
                 f"startup_timeout_s ({self.startup_timeout_s}), what the start-up before it "
                 "gets"
+            )
+        if not self.worker_start_timeout_s > iv:
+            raise ConfigError(
+                f"worker_start_timeout_s ({self.worker_start_timeout_s}) must exceed "
+                f"heartbeat_interval_s ({iv}), which is how often it is looked at"
             )
         if self.checkpoint_timeout_s <= iv:
             raise ConfigError(f"checkpoint_timeout_s must exceed heartbeat_interval_s ({iv})")

@@ -125,9 +125,11 @@ class Verdicts:
         ranks: list[int],
         reason: str,
         expect_acks: int | None = None,
+        detail: dict[str, Any] | None = None,
         **fields: Any,
     ) -> NoReturn:
         """Take the whole group down: publish a verdict naming `ranks`, then exit with `code`.
+        `detail` goes into each named rank's entry (a stall's timeout, for instance).
 
         A verdict published first by someone else wins (it is carried out instead).
         """
@@ -136,7 +138,7 @@ class Verdicts:
             hard_exit(code)
         if self.verdict_pending():
             self._follow()
-        named = self._describe(ranks)
+        named = [{**d, **(detail or {})} for d in self._describe(ranks)]
         verdict = {
             "kind": kind,
             "code": int(code),

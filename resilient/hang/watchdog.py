@@ -42,6 +42,7 @@ from resilient.hang.heartbeat import HangDetector, encode_beat, straggler_scores
 from resilient.hang.instrument import instrument
 from resilient.hang.learned import LearnedTimeouts, PhaseStats
 from resilient.hang.phases import FLAG_FAILED, FLAG_OOM, Phase, Progress
+from resilient.hang.probes import Probes
 from resilient.hang.verdict import STORE_ERRORS, Verdicts
 from resilient.log import get_logger
 
@@ -91,6 +92,7 @@ class Watchdog(Verdicts):
         self._agree_every = max(1, round(2.0 / config.heartbeat_interval_s))
         self._log = get_logger()
         self._departures = Departures(ctx.rank, stuck_s=config.heartbeat_interval_s)
+        self.probes = Probes()  # stalls this rank names itself, looked at each tick
 
     @property
     def active(self) -> bool:
@@ -288,6 +290,9 @@ class Watchdog(Verdicts):
             return math.inf
         if self.hot.enabled:  # survivors that left while this main thread waits on them
             self._departures.poll(self._store, self.progress)
+        stall = self.probes.run(self._log)  # hang/probes.py
+        if stall is not None and not self._stop.is_set():
+            self.abort(**stall.verdict(self.rank, dump=self.config.dump_stacks))
         due = self._look()
         if self._stop.is_set():  # a hot verdict carried out: the Runtime stopped this thread
             return math.inf

@@ -46,6 +46,9 @@ def shield_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
 class _ShieldedInit:
     """A picklable worker_init_fn (spawn and forkserver loaders pickle it)."""
 
+    resilient_wrapper = True
+    """The runtime peels its wrappers off before wrapping again (a loader tracked twice)."""
+
     def __init__(self, signals: tuple[int, ...], inner: Callable[[int], Any] | None) -> None:
         self.signals = signals
         self.inner = inner

@@ -22,6 +22,7 @@ from resilient.checkpoint import TrainState, open_manager
 from resilient.checkpoint.state import StatefulLike
 from resilient.data.batches import ResumableBatches
 from resilient.data.position import DataPosition
+from resilient.data.worker_start import WorkerStarts
 from resilient.envvars import HotMode, parse_signals
 from resilient.errors import ConfigError
 from resilient.groups.groups import DistContext, init_distributed, shutdown_distributed
@@ -101,6 +102,7 @@ class Runtime(Loops):
         self.step = 0
         """Steps completed so far (the step a checkpoint taken now would carry)."""
         self._batches: ResumableBatches | None = None
+        self._worker_starts: WorkerStarts | None = None  # data/worker_start.py
         self._resumed = False
         self._last_save_time = time.monotonic()
         self._hooks: list[Any] = []
@@ -218,7 +220,11 @@ class Runtime(Loops):
                 batch_size=getattr(loader, "batch_size", None),
             )
             # its workers must outlive a preemption signal until the agreed stop
+            wiring.peel_worker_init(loader)  # tracked again: our wrappers once, not twice
             shield_workers(loader, parse_signals(",".join(self.config.preempt.signals)))
+            self._worker_starts = wiring.watch_worker_starts(
+                self, loader, self._batches, self._worker_starts
+            )
             per_rank["loader"] = self._batches
             # world-size-independent position + global batch, for elastic resume
             self._data = DataPosition(

@@ -11,18 +11,23 @@ import contextlib
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from resilient import events as ev
 from resilient import log
 from resilient.checkpoint import TrainState
+from resilient.data import worker_start
+from resilient.data.batches import ResumableBatches
 from resilient.envvars import ENV_RUN_DIR, HotMode
 from resilient.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from resilient.groups.ddp import ddp_modules, forward_unsynced, pin_buckets
 from resilient.groups.groups import DistContext, abandon_distributed, env_identity
+from resilient.hang.probes import LocalStall
 from resilient.hot.recovery import HotRecovery
 from resilient.memory.replica import BuddyReplicas
 from resilient.memory.snapshot import Snapshots
@@ -32,7 +37,16 @@ from resilient.numeric.detect import NumericWatch
 from resilient.runtime.config import RuntimeConfig
 from resilient.runtime.stages import even_micro_batches
 
-__all__ = ["abandon", "layout", "open_log", "pin_ddp_buckets", "snapshots", "within"]
+__all__ = [
+    "abandon",
+    "layout",
+    "open_log",
+    "peel_worker_init",
+    "pin_ddp_buckets",
+    "snapshots",
+    "watch_worker_starts",
+    "within",
+]
 
 
 def open_log(config: RuntimeConfig) -> tuple[str, Path | None]:
@@ -274,3 +288,58 @@ def numeric_hooks(
     replicated = replicated_grads(model) and not pipelined
     hook = watch.attach(optimizer, replicated=replicated)
     return [] if hook is None else [hook]
+
+
+def peel_worker_init(loader: Any) -> None:
+    """Give `loader` back its own worker_init_fn, without the runtime's wrappers."""
+    fn = getattr(loader, "worker_init_fn", None)
+    while getattr(fn, "resilient_wrapper", False):
+        fn = fn.inner  # type: ignore[union-attr]
+    if hasattr(loader, "worker_init_fn"):
+        loader.worker_init_fn = fn
+
+
+def watch_worker_starts(
+    rt: Any, loader: Any, batches: ResumableBatches, old: worker_start.WorkerStarts | None
+) -> worker_start.WorkerStarts | None:
+    """On an interpreter that can deadlock a forked child (data/worker_start.py), say so once
+    and have the watchdog name a loader worker stuck in its fork after
+    `worker_start_timeout_s`, instead of the phase's timeout (6 min in an attempt's first
+    step). Elsewhere, or for a loader that does not fork, nothing. Replaces `old` (the
+    previous track's)."""
+    if old is not None:
+        old.close()
+    rt.watchdog.probes.set("worker_start", None)
+    if not (worker_start.fork_deadlock_prone() and worker_start.forks_workers(loader)):
+        return None
+    after_s = float(rt.config.watchdog.worker_start_timeout_s)
+    watching = rt.config.watchdog.enabled
+    rt.log.warning(
+        ev.DATA_FORK_DEADLOCK_PRONE,
+        num_workers=int(loader.num_workers),
+        named_after_s=after_s if watching else None,
+        fix=worker_start.python_fix(),
+    )
+    if not watching:
+        return None
+    starts = worker_start.WorkerStarts(loader)
+
+    def look() -> LocalStall | None:
+        since = batches.iter_started_at
+        stuck = starts.stuck(since, after_s)
+        if not stuck or since is None:
+            return None
+        worker_start.kill(stuck)
+        age = time.time() - since
+        return LocalStall(
+            reason=f"loader worker(s) {stuck} forked {age:.1f} s ago never started: stuck in "
+            "their fork (a CPython bug: a lock another thread held at the fork); "
+            f"{worker_start.python_fix()}",
+            timeout_kind="worker_start",
+            timeout_s=after_s,
+            age_s=age,
+            detail={"stuck_workers": stuck},
+        )
+
+    rt.watchdog.probes.set("worker_start", look)
+    return starts
