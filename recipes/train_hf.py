@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--width", type=int, default=32, help="the model's width (n_embd)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (the Trainer's fsdp settings)")
     p.add_argument("--plain", action="store_true", help="the stock Trainer, its own resume")
     args = p.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
         from resilient.integrations.hf import Trainer  # resilient
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=args.width, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)
     targs = TrainingArguments(
         output_dir=str(args.out / "trainer"),

@@ -45,9 +45,11 @@ class Corpus(Dataset):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, samples: int, workers: int, total: int, fsdp: bool = False) -> None:
+    def __init__(
+        self, samples: int, workers: int, total: int, fsdp: bool = False, width: int = 32
+    ) -> None:
         super().__init__()
-        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=2, n_head=2)
         self.model = GPT2LMHeadModel(config)
         self.samples, self.workers, self.total, self.fsdp = samples, workers, total, fsdp
 
@@ -101,6 +103,7 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--width", type=int, default=32, help="the model's width (n_embd)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2: Lightning's ModelParallelStrategy")
     p.add_argument("--plain", action="store_true", help="stock Lightning, its own resume")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -132,7 +135,7 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=args.out,
     )
-    model = TinyGPT(args.samples, args.workers, args.steps, fsdp=args.fsdp)
+    model = TinyGPT(args.samples, args.workers, args.steps, fsdp=args.fsdp, width=args.width)
     last = ckpt_dir / "last.ckpt"
     resume = str(last) if args.plain and last.exists() else None
     trainer.fit(model, ckpt_path=resume)

@@ -89,7 +89,7 @@ _KILLING = textwrap.dedent(
 
 
 def run(
-    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int
+    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int, width: int = 32
 ) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -106,6 +106,7 @@ def run(
         f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
         "--restart-backoff=0", "--restart-jitter=0",
         *script, f"--out={out}", f"--steps={steps}", f"--samples={samples}",
+        f"--width={width}",
         f"--save-steps={SAVE_EVERY}", *(["--plain"] if plain else []),
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -159,17 +160,18 @@ def main() -> None:
     p.add_argument(
         "--samples", type=int, default=4096, help="dataset size: 4096 is 512 steps an epoch"
     )
+    p.add_argument("--width", type=int, default=32, help="the model's width (n_embd)")
     p.add_argument("--out", type=Path, default=REPO / "bench-output" / "hf")
     a = p.parse_args()
     compare(
         lambda out, plain, kill: run(
-            out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples
+            out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples, width=a.width
         ),
         repeats=a.repeats,
         out=a.out,
         kill_at=a.kill_at,
-        title=f"{a.repeats} runs each, {a.steps} steps, 2 CPU ranks, kill -9 of rank 1 at step "
-        f"{a.kill_at} (checkpoint every 20):",
+        title=f"{a.repeats} runs each, {a.steps} steps, width {a.width}, 2 CPU ranks, "
+        f"kill -9 of rank 1 at step {a.kill_at} (checkpoint every 20):",
     )
 
 

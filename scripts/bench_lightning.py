@@ -66,7 +66,7 @@ _SHIM = textwrap.dedent(
 
 
 def run(
-    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int
+    out: Path, *, plain: bool, kill_at: int | None, steps: int, samples: int, width: int = 32
 ) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_TIMED_FROM": str(TIMED_FROM)}
@@ -79,6 +79,7 @@ def run(
         f"--run-dir={out / 'run'}", f"--checkpoint-url={out / 'ckpt'}",
         "--restart-backoff=0", "--restart-jitter=0",
         str(shim), str(RECIPE), f"--out={out}", f"--steps={steps}", f"--samples={samples}",
+        f"--width={width}",
         *(["--plain"] if plain else []), str(out),
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -106,16 +107,18 @@ def main() -> None:
         help="corpus size: 4096 is 512 steps an epoch, "
         "so the loader's start-up each epoch is amortised as in a real run",
     )
+    p.add_argument("--width", type=int, default=32, help="the model's width (n_embd)")
     p.add_argument("--out", type=Path, default=REPO / "bench-output" / "pl")
     a = p.parse_args()
     compare(
         lambda out, plain, kill: run(
-            out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples
+            out, plain=plain, kill_at=kill, steps=a.steps, samples=a.samples, width=a.width
         ),
         repeats=a.repeats,
         out=a.out,
         kill_at=a.kill_at,
-        title=f"{a.repeats} runs each, {a.steps} steps, {a.samples} samples, 2 CPU ranks, "
+        title=f"{a.repeats} runs each, {a.steps} steps, {a.samples} samples, width {a.width}, "
+        "2 CPU ranks, "
         f"kill -9 of rank 1 at step {a.kill_at} (checkpoint every 20):",
     )
 
