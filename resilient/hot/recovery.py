@@ -39,6 +39,7 @@ seconds, a save that does not drain, a second loss during recovery (the agent's 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, NoReturn
 
@@ -115,7 +116,10 @@ class HotRecovery:
         # mesh): it cuts its connections to this process (hang/departed.py)
         host.watchdog.announce_departure()
         if not host.abandon(drain_s=DRAIN_S):
-            self._cold(f"an in-flight async save or replica did not finish within {DRAIN_S:g} s")
+            why = f"an in-flight async save or replica did not finish within {DRAIN_S:g} s"
+            with contextlib.suppress(OSError):  # where its thread waits, for the next look
+                host.watchdog.dump_stacks(why)
+            self._cold(why)
         replicas = snaps.replicas
         carry.keep(
             carry.Carry(
