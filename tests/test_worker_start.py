@@ -93,16 +93,11 @@ def _seen(worker_id: int) -> None:
     os.environ["SEEN_WORKER"] = str(worker_id)
 
 
-def _worker_env(_: int) -> dict[str, str]:
-    import os
-
-    return {"SEEN_WORKER": os.environ.get("SEEN_WORKER", "")}
-
-
 @pytest.mark.solo
 @pytest.mark.timeout(60)
 def test_started_workers_are_not_stuck() -> None:
-    """A loader's workers write their pids as they start; the user's init still runs."""
+    """A loader's workers write their pids as they start, through a wrapper around the
+    user's own worker_init_fn."""
     data = list(range(16))
     loader = StatefulDataLoader(data, batch_size=2, num_workers=2, worker_init_fn=_seen)
     assert forks_workers(loader)

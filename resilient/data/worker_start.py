@@ -25,7 +25,6 @@ import contextlib
 import multiprocessing
 import os
 import platform
-import signal
 import struct
 import sys
 import time
@@ -126,13 +125,6 @@ class WorkerStarts:
                 self.started[pid] = None
             while len(self.started) > _KEEP:
                 del self.started[next(iter(self.started))]
-
-
-def kill(pids: list[int]) -> None:
-    """SIGKILL stuck workers: they hold nothing, and would outlive their rank's exit."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
 
 
 class _MarkStart:

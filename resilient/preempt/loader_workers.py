@@ -33,14 +33,12 @@ def shield_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
     """Make `loader`'s worker processes ignore `signals` while their rank lives.
 
     A loader without worker processes, or with no signals to shield, is left as it is. The
-    user's own `worker_init_fn` still runs, after ours."""
+    user's own `worker_init_fn` still runs, after ours. A loader tracked again has the
+    runtime's wrappers peeled off first (runtime/wiring.py `peel_worker_init`)."""
     sigs = tuple(int(s) for s in signals)
     if not sigs or getattr(loader, "num_workers", 0) == 0:
         return
-    inner = getattr(loader, "worker_init_fn", None)
-    if isinstance(inner, _ShieldedInit):  # tracked twice
-        inner = inner.inner
-    loader.worker_init_fn = _ShieldedInit(sigs, inner)
+    loader.worker_init_fn = _ShieldedInit(sigs, getattr(loader, "worker_init_fn", None))
 
 
 class _ShieldedInit:

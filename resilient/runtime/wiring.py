@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from resilient import events as ev
-from resilient import log
+from resilient import log, proctree
 from resilient.checkpoint import TrainState
 from resilient.data import worker_start
 from resilient.data.batches import ResumableBatches
@@ -329,7 +329,8 @@ def watch_worker_starts(
         stuck = starts.stuck(since, after_s)
         if not stuck or since is None:
             return None
-        worker_start.kill(stuck)
+        # they hold nothing, and would outlive their rank's exit
+        proctree.kill_tree(stuck[0], also=stuck[1:], wait_s=0)
         age = time.time() - since
         return LocalStall(
             reason=f"loader worker(s) {stuck} forked {age:.1f} s ago never started: stuck in "
