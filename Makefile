@@ -2,7 +2,7 @@
 # Each creates .venv in the checkout first (scripts/setup.sh; a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-torch lint bench soak clean
+.PHONY: setup demo test test-torch test-frameworks-floor lint bench soak clean
 setup:
 	@bash scripts/setup.sh
 
@@ -22,6 +22,11 @@ test: setup
 TORCH ?= newest
 test-torch: setup
 	$(PY) scripts/torch_env.py $(TORCH) --subset
+
+# the Trainer, Accelerate and Lightning tests on the oldest releases the extras allow
+# (docs/integrations.md#versions); too long for CI
+test-frameworks-floor: setup
+	@bash scripts/framework_floor.sh
 
 # the long soak of docs/chaos.md: the tests marked `extended` (left out of `make test` to keep
 # CI under its budget), every scenario of chaos/scenarios (some run only here), then 200

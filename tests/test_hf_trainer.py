@@ -266,7 +266,7 @@ def test_an_untested_transformers_release_is_refused(monkeypatch: pytest.MonkeyP
     from resilient.integrations import _hf_parts
 
     monkeypatch.setattr(_hf_parts.transformers, "__version__", "4.57.1")
-    with pytest.raises(ConfigError, match=r"tested with transformers >=5.0,<6.0"):
+    with pytest.raises(ConfigError, match=r"tested with transformers >=5.3,<6.0"):
         _hf_parts.check_transformers()
     # a pre-release of a tested minor is allowed
     monkeypatch.setattr(_hf_parts.transformers, "__version__", "5.30.0.dev0")

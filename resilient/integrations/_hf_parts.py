@@ -21,7 +21,7 @@ from resilient.data.seeded import SeededSamples
 from resilient.errors import ConfigError
 from resilient.runtime.driven import DrivenLoop
 
-TESTED = (Version("5.0"), Version("6.0"))
+TESTED = (Version("5.3"), Version("6.0"))
 """transformers releases this adapter was tested with: [first, last)."""
 
 SEAMS = {
@@ -136,8 +136,9 @@ def training_loader(trainer: Any, rank: int, world: int) -> StatefulDataLoader:
     if workers:
         params["persistent_workers"] = bool(a.dataloader_persistent_workers)
         params["prefetch_factor"] = a.dataloader_prefetch_factor
-        if a.dataloader_multiprocessing_context:
-            params["multiprocessing_context"] = a.dataloader_multiprocessing_context
+        context = getattr(a, "dataloader_multiprocessing_context", None)  # since 5.15
+        if context:
+            params["multiprocessing_context"] = context
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return StatefulDataLoader(dataset, **params)  # it shards and positions itself
     sampler = StatefulDistributedSampler(
