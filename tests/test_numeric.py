@@ -134,6 +134,47 @@ def test_the_loss_hook_carries_a_bad_loss_into_the_gradients_from_any_kind_of_lo
     assert torch.equal(model.weight.grad, torch.ones(1, 4))
 
 
+def test_a_norm_the_loop_computed_stands_in_for_the_screen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`observe(grad_norm=...)`: the check reads the norm the loop computed (clipping) instead
+    of passing over the gradients; a non-finite norm is still confirmed and acted on, a step
+    without one (or with a DTensor) is screened, and a wrong shape or type says what to pass."""
+    import resilient.numeric.detect as detect
+
+    ctx = SimpleNamespace(distributed=False, world_size=1, rank=0, control_group=None)
+    watch = NumericWatch(NumericConfig(), ctx)  # type: ignore[arg-type]
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch.attach(opt)
+    screens: list[int] = []
+    real = detect.screen
+    monkeypatch.setattr(detect, "screen", lambda g, f=None: screens.append(1) or real(g, f))
+
+    def step(at: int, poison: bool, norm: Any) -> Any:
+        model.zero_grad(set_to_none=True)
+        watch.begin(at)
+        (model(torch.ones(1, 4)).sum() * (math.nan if poison else 1.0)).backward()
+        if norm is not None:
+            watch.observe_grad_norm(norm(model))
+        opt.step()
+        return watch.end_step()
+
+    clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # noqa: E731
+    assert step(0, False, clip) is None and not screens
+    before = [p.detach().clone() for p in model.parameters()]
+    fault = step(1, True, clip)
+    assert fault is not None and fault.seen[0] == ["gradient non-finite"] and not screens
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert step(2, False, lambda m: 0.5) is None and not screens  # a number does too
+    assert step(3, True, None) is not None and screens == [1]  # none given: the screen
+    with pytest.raises(ValueError, match="total norm"):
+        watch.begin(4)
+        watch.observe_grad_norm(torch.ones(2))
+    with pytest.raises(TypeError, match="grad_norm"):
+        watch.observe_grad_norm("1.0")
+
+
 def test_a_parameter_the_optimizer_gains_later_is_screened_too() -> None:
     """The watch walks the optimizer's parameters again only when its groups change: a group
     added, and a group's list replaced by another of the same length, are both seen."""

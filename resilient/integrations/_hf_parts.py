@@ -30,6 +30,7 @@ SEAMS = {
     "_save_checkpoint": ("model", "trial"),
     "_load_rng_state": ("checkpoint",),
     "set_initial_training_values": ("args", "dataloader"),
+    "_get_grad_norm": ("model", "grad_norm"),
 }
 """The Trainer methods the adapter overrides or calls, with the parameters it relies on. The
 public callbacks cannot place a step's start before its batches are fetched, nor resume an

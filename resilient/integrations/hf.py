@@ -205,6 +205,15 @@ class Trainer(transformers.Trainer):
                     return super()._run_epoch(**kw)
         return super()._run_epoch(**kw)
 
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        # the Trainer computes the total norm every step (clipping or not), right before
+        # the optimizer step: the non-finite check reads it instead of its own pass. Not
+        # when a subclass overrides this method: its norm may not cover every gradient
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if type(self)._get_grad_norm is Trainer._get_grad_norm:
+            self.rt.observe(grad_norm=norm)
+        return norm
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Nothing: the runtime restored every rank's RNG with the rest of the state."""
 

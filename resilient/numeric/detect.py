@@ -145,6 +145,9 @@ class NumericWatch:
         """A loss was observed that no hook can follow (a number, or a tensor with no
         gradient): its verdict cannot ride the gradients either."""
         self._params: list[torch.Tensor] = []
+        self._grad_norm: torch.Tensor | float | None = None
+        """The step's gradient norm as the loop computed it (observe(grad_norm=...)): the
+        screen then reads it instead of passing over the gradients itself."""
         self._flags: dict[torch.device, torch.Tensor] = {}
         """The screen's flag per device, kept at zero between steps (cleared when raised)."""
         self._param_lists: list[tuple[list[torch.Tensor], int]] = []
@@ -177,6 +180,31 @@ class NumericWatch:
         self._step, self._loss, self._checked, self._fault = step, None, False, None
         self._skip_step = step in self.config.skip_steps or step in self.skipped.steps
         self._unfired, self._unhooked, self._spiked = set(), False, False
+        self._grad_norm = None
+
+    def observe_grad_norm(self, value: Any) -> None:
+        """The total norm of the gradients `optimizer.step()` will read, as the loop computed
+        it after the step's last backward (`clip_grad_norm_`'s result): finite exactly when
+        every element is, so the screen's own pass is not needed. A DTensor is not used (its
+        local value may be a partial norm): the screen runs as before."""
+        if not self.enabled or self._step is None:
+            return
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and hasattr(value, "to_local"):
+                return
+            if value.numel() != 1:
+                raise ValueError(
+                    f"rt.observe(grad_norm=...) takes the total norm, a scalar; got a tensor "
+                    f"of shape {tuple(value.shape)}"
+                )
+            self._grad_norm = value.item() if value.is_cpu else value.detach().reshape(())
+        elif isinstance(value, int | float):
+            self._grad_norm = float(value)
+        else:
+            raise TypeError(
+                "rt.observe(grad_norm=...) takes a scalar tensor or a number, got "
+                f"{type(value).__name__}"
+            )
 
     def observe_loss(self, loss: Any) -> None:
         if not self.enabled or self._step is None:
@@ -291,14 +319,14 @@ class NumericWatch:
     def _check(self, grads: list[torch.Tensor] | None, phase: str) -> None:
         self._checked = True
         loss, spiked = self._loss, self._spiked
-        flag = screen(grads, self._flags) if grads else None
+        flag = self._screen(grads)
         if (
             not isinstance(loss, torch.Tensor)
-            and (flag is None or flag.is_cpu)
+            and not (isinstance(flag, torch.Tensor) and not flag.is_cpu)
             and not isinstance(spiked, torch.Tensor)
         ):  # all on the host (the usual CPU step): no tensors to build and move
             loss_t = math.nan if loss is None else loss
-            screened = 0.0 if flag is None else flag.item()
+            screened = 0.0 if flag is None else float(flag)
             carried = spiked
         else:  # the loss, the screen and the carried spike come to the host together: one
             # device sync a step
@@ -307,7 +335,7 @@ class NumericWatch:
                 if isinstance(loss, torch.Tensor)
                 else torch.tensor(math.nan if loss is None else loss)
             ]
-            parts.append(flag if flag is not None else torch.tensor(0.0))
+            parts.append(flag if isinstance(flag, torch.Tensor) else torch.tensor(flag or 0.0))
             parts.append(spiked if isinstance(spiked, torch.Tensor) else torch.tensor(spiked))
             loss_t, screened, carried_f = _host(parts)
             carried = bool(carried_f)
@@ -354,6 +382,18 @@ class NumericWatch:
             m = row[_MEAN]
             fault.threshold[r] = None if math.isnan(m) or factor is None else factor * m
         self._fault = fault
+
+    def _screen(self, grads: list[torch.Tensor] | None) -> torch.Tensor | float | None:
+        """0 when every gradient is finite, non-zero (or NaN) when one is not (None: no
+        gradients). From the norm the loop observed when it gave one, else the screen."""
+        if not grads:
+            return None
+        given = self._grad_norm
+        if given is None:
+            return screen(grads, self._flags)
+        if isinstance(given, torch.Tensor):  # on its device: read with the loss, one sync
+            return (~torch.isfinite(given)).float()
+        return 0.0 if math.isfinite(given) else 1.0
 
     def _agree(self, mine: bool, flagged: bool, grads: list[torch.Tensor] | None) -> bool:
         """Whether any rank saw something this step (the same answer on every rank)."""

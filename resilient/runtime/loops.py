@@ -312,13 +312,18 @@ class Loops:
         policy = _save_policy(self.config, every_steps, every_seconds, every_epochs)
         self._every_steps, self._every_seconds = policy
 
-    def observe(self, *, loss: Any = None) -> None:
+    def observe(self, *, loss: Any = None, grad_norm: Any = None) -> None:
         """Hand over this step's loss (a tensor or a number; summed over several calls in a
         step) for its fingerprint, so a resume also checks that replayed steps reach the same
-        loss. On GPU it is read back later, without waiting for the device."""
+        loss. On GPU it is read back later, without waiting for the device.
+        `grad_norm`: the total norm of all the gradients the optimizer steps on, when the
+        loop computes it anyway (`clip_grad_norm_`'s result, after the step's last
+        backward): the non-finite check reads it instead of passing over the gradients."""
         if loss is not None:
             self._fp.observe_loss(loss)
             self.numeric.observe_loss(loss)
+        if grad_norm is not None:
+            self.numeric.observe_grad_norm(grad_norm)
 
     def saves_on_schedule(self, step: int) -> bool:
         """Whether the loop's step policy saves once `step` steps are done (the time policy
