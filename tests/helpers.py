@@ -48,6 +48,7 @@ __all__ = [
     "kill_tree",
     "last_by_step",
     "launch_ranks",
+    "mark_worker",
     "only_event",
     "read_events",
     "recipe_cmd",
@@ -165,6 +166,12 @@ class ForkedCli:
 
 
 # ---------------------------------------------------------------------- `resilient run`
+def mark_worker(worker_id: int) -> None:
+    """A user's own worker_init_fn, at module level (workers may pickle it): it marks the
+    worker's environment, so a wrapper of the runtime's is seen to still call it."""
+    os.environ["SEEN_WORKER"] = str(worker_id)
+
+
 def run_cmd(*args: str) -> list[str]:
     """`python -m resilient.cli run ARGS` as an argv list."""
     return [sys.executable, "-m", "resilient.cli", "run", *args]

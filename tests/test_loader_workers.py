@@ -11,6 +11,7 @@ import subprocess
 
 import psutil
 import pytest
+from helpers import mark_worker
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resilient.preempt.loader_workers import shield_workers
@@ -18,17 +19,12 @@ from resilient.preempt.loader_workers import shield_workers
 pytestmark = pytest.mark.solo
 
 
-def _seen(worker_id: int) -> None:
-    # the user's own worker_init_fn still runs (module level: workers may pickle it)
-    import os
-
-    os.environ["SEEN_WORKER"] = str(worker_id)
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_workers_ignore_a_preemption_signal_from_another_process(sig: signal.Signals) -> None:
-    loader = StatefulDataLoader(list(range(64)), batch_size=2, num_workers=2, worker_init_fn=_seen)
+    loader = StatefulDataLoader(
+        list(range(64)), batch_size=2, num_workers=2, worker_init_fn=mark_worker
+    )
     shield_workers(loader, [signal.SIGTERM, signal.SIGUSR1])
     it = iter(loader)
     # a batch from each worker (they take turns): both have run their init, the shield's

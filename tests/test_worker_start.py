@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import assert_no_process_left, exit_events, fault_time, only_event
+from helpers import assert_no_process_left, exit_events, fault_time, mark_worker, only_event
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from chaos.procs import events
@@ -86,20 +86,13 @@ def test_the_affected_interpreters() -> None:
         assert fork_deadlock_prone(version) is prone, version
 
 
-def _seen(worker_id: int) -> None:
-    # the user's own worker_init_fn (module level: workers may pickle it)
-    import os
-
-    os.environ["SEEN_WORKER"] = str(worker_id)
-
-
 @pytest.mark.solo
 @pytest.mark.timeout(60)
 def test_started_workers_are_not_stuck() -> None:
     """A loader's workers write their pids as they start, through a wrapper around the
     user's own worker_init_fn."""
     data = list(range(16))
-    loader = StatefulDataLoader(data, batch_size=2, num_workers=2, worker_init_fn=_seen)
+    loader = StatefulDataLoader(data, batch_size=2, num_workers=2, worker_init_fn=mark_worker)
     assert forks_workers(loader)
     starts = WorkerStarts(loader)
     try:
