@@ -199,6 +199,22 @@ def test_a_fault_once_ends_bit_for_bit(
     assert _digest(tmp_path) == fault_free
 
 
+@pytest.mark.timeout(300)
+def test_a_run_resumed_with_another_max_steps_is_refused_with_the_saved_one(
+    tmp_path: Path, launcher: Launcher
+) -> None:
+    """The scheduler was built for the saved length: another max_steps is refused before
+    step 0 (exit 80), naming the saved value, and the checkpoint stays as it was."""
+    code, _, err = launcher.run(_run(tmp_path, script=("--steps=20",)), timeout=150)
+    assert code == ExitCode.OK, err[-4000:]
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    code, _, err = launcher.run(_run(tmp_path, script=("--steps=30",)), timeout=150)
+    assert code == ExitCode.MISMATCH, err[-4000:]
+    assert "saved with 20 steps in all and now counts 30" in err
+    assert "resume with max_steps=20" in err
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
+
+
 # ---------------------------------------------------------------------- bad input, 1 process
 class _Tokens(torch.utils.data.Dataset):
     def __len__(self) -> int:

@@ -145,11 +145,17 @@ class Trainer(transformers.Trainer):
         self._batches.loop = self._loop
         step = self._loop.start()
         if step and int(self.state.max_steps) != total:  # the saved TrainerState's differs
-            raise ConfigError(
-                f"this run was saved with {self.state.max_steps} steps in all and now counts "
-                f"{total}: an epoch-based schedule (num_train_epochs, no max_steps) resumed on "
+            why = (
+                f"max_steps is {total} now: resume with max_steps={self.state.max_steps}, or "
+                "start a new run in another checkpoint directory (init_from= its weights)"
+                if self.args.max_steps > 0
+                else "an epoch-based schedule (num_train_epochs, no max_steps) resumed on "
                 "another number of ranks changes its length. Set max_steps, or resume on the "
                 "saved number of ranks"
+            )
+            raise ConfigError(
+                f"this run was saved with {self.state.max_steps} steps in all and now counts "
+                f"{total} (its learning-rate schedule was built for the saved length): {why}"
             )
         if step != self.state.global_step:
             raise RuntimeError(
