@@ -189,45 +189,14 @@ class NumericWatch:
         local value may be a partial norm): the screen runs as before."""
         if not self.enabled or self._step is None:
             return
-        if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor and hasattr(value, "to_local"):
-                return
-            if value.numel() != 1:
-                raise ValueError(
-                    f"rt.observe(grad_norm=...) takes the total norm, a scalar; got a tensor "
-                    f"of shape {tuple(value.shape)}"
-                )
-            self._grad_norm = value.item() if value.is_cpu else value.detach().reshape(())
-        elif isinstance(value, int | float):
-            self._grad_norm = float(value)
-        else:
-            raise TypeError(
-                "rt.observe(grad_norm=...) takes a scalar tensor or a number, got "
-                f"{type(value).__name__}"
-            )
+        if type(value) is not torch.Tensor and hasattr(value, "to_local"):
+            return
+        self._grad_norm = _scalar(value, "grad_norm", "takes the total norm, a scalar; got")
 
     def observe_loss(self, loss: Any) -> None:
         if not self.enabled or self._step is None:
             return
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"rt.observe(loss=...) takes a scalar loss, got a tensor of shape "
-                    f"{tuple(loss.shape)}: reduce it first (loss.mean())"
-                )
-            value: torch.Tensor | float
-            if loss.is_cpu:
-                value = loss.item()
-            else:
-                value = loss.detach()
-                if value.dim() or value.dtype != torch.float32:
-                    value = value.reshape(()).float()
-        elif isinstance(loss, int | float):
-            value = float(loss)
-        else:
-            raise TypeError(
-                f"rt.observe(loss=...) takes a scalar tensor or a number, got {type(loss).__name__}"
-            )
+        value = _scalar(loss, "loss", "takes a scalar loss, got", ": reduce it first (loss.mean())")
         if self._loss is None:
             self._loss = value
         elif isinstance(self._loss, torch.Tensor) and isinstance(value, torch.Tensor):
@@ -427,6 +396,26 @@ def _on_output(hook: Any, nr: int) -> Any:
         return None if new is None else (*grads[:nr], new, *grads[nr + 1 :])
 
     return pre
+
+
+def _scalar(value: Any, name: str, says: str, fix: str = "") -> torch.Tensor | float:
+    """What `rt.observe(<name>=value)` hands over: a number on the host (a CPU tensor is read
+    at once), or a detached float32 0-d tensor on its device (read later, with the screen).
+    ValueError for a tensor of more than one element, TypeError for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"rt.observe({name}=...) {says} a tensor of shape {tuple(value.shape)}{fix}"
+            )
+        if value.is_cpu:
+            return value.item()
+        held = value.detach()
+        return held.reshape(()).float() if held.dim() or held.dtype != torch.float32 else held
+    if isinstance(value, int | float):
+        return float(value)
+    raise TypeError(
+        f"rt.observe({name}=...) takes a scalar tensor or a number, got {type(value).__name__}"
+    )
 
 
 def _host(parts: list[torch.Tensor]) -> list[float]:
