@@ -25,11 +25,13 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "${FLOOR[*]}" ]]; then
     echo "${FLOOR[*]}" > "$STAMP"
 fi
 export PYTHONPATH="$DIR${PYTHONPATH:+:$PYTHONPATH}"
-$PY - <<'EOF'
+FLOOR_PINS="${FLOOR[*]}" $PY - <<'EOF'
+import os
 import accelerate, lightning, transformers
 got = {m.__name__: m.__version__ for m in (transformers, accelerate, lightning)}
-want = {"transformers": "5.3.0", "accelerate": "1.10.0", "lightning": "2.5.0"}
-assert got == want, f"the floor releases are not the ones imported: {got}"
+pins = dict(p.split("==") for p in os.environ["FLOOR_PINS"].split() if "==" in p)
+want = {name: pins[name] for name in got}
+assert got == want, f"the floor releases are not the ones imported: {got}, want {want}"
 print("floor releases:", got)
 EOF
 exec $PY -m pytest -q -p no:randomly tests/test_hf_trainer.py tests/test_accelerate_loop.py \

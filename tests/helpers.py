@@ -165,13 +165,13 @@ class ForkedCli:
                 proc.wait(timeout=10)
 
 
-# ---------------------------------------------------------------------- `resilient run`
 def mark_worker(worker_id: int) -> None:
     """A user's own worker_init_fn, at module level (workers may pickle it): it marks the
     worker's environment, so a wrapper of the runtime's is seen to still call it."""
     os.environ["SEEN_WORKER"] = str(worker_id)
 
 
+# ---------------------------------------------------------------------- `resilient run`
 def run_cmd(*args: str) -> list[str]:
     """`python -m resilient.cli run ARGS` as an argv list."""
     return [sys.executable, "-m", "resilient.cli", "run", *args]
