@@ -43,6 +43,7 @@ __all__ = [
     "RECOVERY_HOT_AWAIT",
     "RECOVERY_HOT_DETECT",
     "RECOVERY_HOT_FORMED",
+    "RECOVERY_HOT_FRAMEWORK_RESET",
     "RECOVERY_HOT_KILL",
     "RECOVERY_HOT_REPLACE",
     "RECOVERY_HOT_SEVER",
@@ -152,6 +153,9 @@ RECOVERY_HOT_AWAIT = "recovery.hot.await"
 RECOVERY_HOT_DETECT = "recovery.hot.detect"
 RECOVERY_HOT_REPLACE = "recovery.hot.replace"
 RECOVERY_HOT_FORMED = "recovery.hot.formed"
+RECOVERY_HOT_FRAMEWORK_RESET = "recovery.hot.framework_reset"
+"""A survivor emptied a framework's process-state singletons before running the script
+again (Accelerate's; resilient/hot/framework_state.py)."""
 RECOVERY_HOT_KILL = "recovery.hot.kill"
 """An agent SIGKILLed its worker that a hot verdict named and that could not leave by itself."""
 RECOVERY_HOT_SEVER = "recovery.hot.sever"

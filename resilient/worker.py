@@ -30,6 +30,7 @@ from resilient.envvars import ENV_GENERATION, HotMode
 from resilient.groups.exits import exit_past_teardown
 from resilient.groups.groups import left_generations_behind
 from resilient.hot import carry, reform
+from resilient.hot.framework_state import forget_framework_state
 from resilient.hot.recovery import HotRestart, divert_escaped
 from resilient.hot.script_store import point_at_generation_store
 from resilient.runtime.runtime import current
@@ -128,6 +129,8 @@ def main(argv: list[str]) -> None:
         else:
             _leave(None)
             return
+        # the script's next Accelerator() must make its process group, as the replacement's does
+        forget_framework_state()
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
         # collect them, so their finalizers run before the next generation starts.
         t0 = time.monotonic()
