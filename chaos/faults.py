@@ -231,8 +231,9 @@ def _poison_next_output(factor: float | None, kind: str) -> None:
             return out * scale
         if isinstance(out, tuple | list):
             return type(out)(poison(o) for o in out)
-        if isinstance(out, dict):
-            return {k: poison(v) for k, v in out.items()}
+        if isinstance(out, dict):  # in place: a dict subclass (transformers' ModelOutput,
+            for k, v in out.items():  # read as `out.loss`) keeps its type
+                out[k] = poison(v)
         return out
 
     def hook(_module: Any, _args: Any, output: Any) -> Any:
