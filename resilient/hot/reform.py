@@ -30,6 +30,7 @@ from resilient.groups.exits import hard_exit
 from resilient.hang import procinfo
 from resilient.hang.config import WatchdogConfig
 from resilient.hot import carry
+from resilient.hot.script_store import script_group_formed_without_me
 from resilient.log import get_logger
 
 __all__ = ["RollCallVerdict", "await_generation", "judge_roll_call", "mark_stepped", "roll_call"]
@@ -126,6 +127,13 @@ def roll_call(store: Any, rank: int, world: int, wd: WatchdogConfig, mode: HotMo
             _leave_forming(gen, f"the launcher's store failed: {str(e)[:200]}")
         if not missing:  # all arrived meanwhile; the last one's "all" is on its way
             continue
+        if script_group_formed_without_me(gen):
+            _leave_forming(
+                gen,
+                f"rank(s) {missing[:8]} wait in the script's own init_process_group for "
+                f"generation {gen}, which this rank's script did not call: a framework kept "
+                "its process state across the hot re-run; restarting cold",
+            )
         host = socket.gethostname()
         named = [
             {"rank": r, "state": procinfo.process_state(metas.get(r, {}), host), **metas.get(r, {})}

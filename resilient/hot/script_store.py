@@ -22,10 +22,13 @@ from resilient.envvars import ENV_ATTEMPT, hosted_store, int_env
 from resilient.hot import carry
 from resilient.storekeys import HotKeys
 
-__all__ = ["point_at_generation_store"]
+__all__ = ["point_at_generation_store", "script_group_formed_without_me"]
 
 _SERVERS: list[Any] = []
 """The stores this process hosts for its generations (a reference keeps each one up)."""
+
+_POINTED: dict[int, tuple[str, int]] = {}
+"""generation -> the address of its script store, as this process was pointed at it."""
 
 WAIT_S = 60.0
 """How long a rank waits for rank 0's store address before it leaves the variables as they
@@ -68,6 +71,27 @@ def point_at_generation_store(generation: int) -> None:
         addr = bytes(store.get(key)).decode()
     host, port = addr.rsplit(":", 1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
+    _POINTED[generation] = (host, int(port))
     # a client of the store above, on one node and on several (where torch would otherwise
     # have worker rank 0 host one at MASTER_PORT, as in generation 0)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+
+
+def script_group_formed_without_me(generation: int) -> bool:
+    """In the roll call of hot generation `generation`: True when another rank made the
+    script's own process group (its keys are in the generation's script store) while this
+    rank's script went on without one. That rank waits in `init_process_group` for this one,
+    which waits for it in the roll call: neither can come (a framework that keeps "the group
+    is made" across the re-run; framework_state.py empties Accelerate's)."""
+    import torch.distributed as dist
+
+    where = _POINTED.get(generation)
+    if where is None or dist.is_initialized():
+        return False
+    from torch.distributed import TCPStore
+
+    try:  # a fresh store holds no key until a rank's init_process_group writes one
+        client = TCPStore(where[0], where[1], is_master=False, timeout=timedelta(seconds=5))
+        return int(client.num_keys()) > 0
+    except (RuntimeError, dist.DistError):
+        return False  # its host, rank 0, is gone: the roll call names that itself
