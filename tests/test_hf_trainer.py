@@ -64,14 +64,17 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, launcher: Launcher) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_kill_9_resumes_bit_for_bit(tmp_path: Path, launcher: Launcher, fault_free: str) -> None:
-    """Rank 1 SIGKILLed in the backward of step 27 (between two checkpoints, in the middle of
-    an epoch, loader workers running): the restart resumes at step 20 (or 10, when the step-20
-    save had not committed yet) and ends equal."""
+    """Rank 1 SIGKILLed in the backward of step 35 (loader workers running), with a save
+    every 16 steps, an epoch's length: the restart resumes from the save at the end of epoch
+    2, step 32 (or of epoch 1, when that save had not committed yet), and ends equal. Such a
+    resume once died of StopIteration in every attempt: the loader resumed the finished
+    epoch, an empty one, where the Trainer began the next."""
     code, _, err = launcher.run(
-        _run(tmp_path, faults=("kill@rank=1,step=27,phase=backward",)), timeout=200
+        _run(tmp_path, faults=("kill@rank=1,step=35,phase=backward",), script=("--save-steps=16",)),
+        timeout=200,
     )
     assert code == ExitCode.OK, err[-4000:]
-    assert resumed_step(tmp_path / "run") in (10, 20), err[-4000:]
+    assert resumed_step(tmp_path / "run") in (16, 32), err[-4000:]
     assert _digest(tmp_path) == fault_free
 
 

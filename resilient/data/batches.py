@@ -140,6 +140,12 @@ class ResumableBatches:
 
     def end_epoch(self) -> None:
         """Leave the current epoch (whatever is left of it); the next batch starts the next."""
+        if self._it is None and self._pending_loader is not None:
+            # A loaded position left before a batch was drawn from it: a save at an epoch's
+            # last step, resumed by a framework that starts the next epoch itself. The
+            # loader would resume the finished epoch at its next iterator (an empty one).
+            self.drop_loaded_state()
+            self._restore_generator()
         self.epoch += 1
         self._it = None
         self._pending_loader = None
