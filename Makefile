@@ -33,17 +33,20 @@ test-frameworks-floor: setup
 # seeded fault schedules, two at a time (about an hour); a quarter of them in hot
 # mode (SOAK_HOT=0 for cold only); then 40 seeded healthy runs with slow but legitimate
 # events, about a quarter of them with an elastic resize, where no hang verdict may come
-# (chaos/quiet.py, about 35 minutes)
+# (chaos/quiet.py, about 35 minutes); then 30 seeded faults in the framework recipes, each
+# compared bit for bit with a fault-free run (chaos/frameworks.py, about 15 minutes)
 SOAK_SEED ?= 2026
 SOAK_RUNS ?= 200
 SOAK_HOT ?= 0.25
 QUIET_RUNS ?= 40
+FRAMEWORK_RUNS ?= 30
 soak: setup
 	$(PY) -m pytest -q -m extended -k "not matrix_scenario"  # the matrix runs next, whole
 	$(PY) -m chaos --out chaos-output matrix
 	$(PY) -m chaos --out chaos-output soak --seed $(SOAK_SEED) --runs $(SOAK_RUNS) --jobs 2 \
 		--hot-fraction $(SOAK_HOT) --summary chaos-output/soak-$(SOAK_SEED).json
 	$(PY) -m chaos.quiet --out chaos-output/quiet soak --seed $(SOAK_SEED) --runs $(QUIET_RUNS)
+	$(PY) -m chaos.frameworks --out chaos-output/frameworks --seed $(SOAK_SEED) --runs $(FRAMEWORK_RUNS)
 
 bench: setup
 	$(PY) scripts/bench_checkpoint.py
