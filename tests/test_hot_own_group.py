@@ -58,3 +58,28 @@ def test_a_survivor_whose_script_skips_its_own_group_goes_cold_at_once(
     assert "wait in the script's own init_process_group for generation 1" in err, err[-4000:]
     assert "from_checkpoint=True" in err  # the cold restart resumed from storage
     assert took < 120, f"{took:.0f} s: the roll call waited out its start-up timeout"
+
+
+@pytest.mark.timeout(60)
+def test_the_look_reads_the_generations_script_store() -> None:
+    """Keys in the script store and no process group here: True; an empty store, or one
+    whose host is gone: False, and at once (no store client retrying a refused port)."""
+    from torch.distributed import TCPStore
+
+    from resilient.hot import script_store
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script_store._POINTED[7] = ("127.0.0.1", server.port)
+    try:
+        assert not script_store.script_group_formed_without_me(7)
+        server.set("rank_1", "addr")  # what a rank's init_process_group leaves there
+        assert script_store.script_group_formed_without_me(7)
+        assert not script_store.script_group_formed_without_me(8)  # not pointed there
+        port = server.port
+        del server
+        t0 = time.monotonic()
+        script_store._POINTED[7] = ("127.0.0.1", port)
+        assert not script_store.script_group_formed_without_me(7)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        script_store._POINTED.pop(7, None)

@@ -15,6 +15,7 @@ if rank 0 is lost, the next generation gets a new one.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -90,8 +91,15 @@ def script_group_formed_without_me(generation: int) -> bool:
         return False
     from torch.distributed import TCPStore
 
+    # its host, rank 0, gone: the roll call names that itself. Asked with a plain socket
+    # first, as a store client retries a refused connection (and logs each try) until its
+    # timeout
+    try:
+        socket.create_connection(where, timeout=2).close()
+    except OSError:
+        return False
     try:  # a fresh store holds no key until a rank's init_process_group writes one
         client = TCPStore(where[0], where[1], is_master=False, timeout=timedelta(seconds=5))
         return int(client.num_keys()) > 0
     except (RuntimeError, dist.DistError):
-        return False  # its host, rank 0, is gone: the roll call names that itself
+        return False
