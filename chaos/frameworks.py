@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,7 +93,8 @@ def command(d: Draw, out: Path, faults: list[str]) -> list[str]:
 def launch(cmd: list[str], out: Path) -> tuple[int | str, float, list[int]]:
     """Exit code (or "timeout"), seconds, and the run's processes still alive after it ended
     (none may be; they are killed)."""
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a former soak's checkpoints would be resumed
+    out.mkdir(parents=True)
     with Run(cmd, log_path=out / "stdout.log", env={"RESILIENT_WATCHDOG": WATCHDOG}) as run:
         try:
             code: int | str = run.wait(TIMEOUT_S)
@@ -128,14 +130,21 @@ def _ours(pid: int) -> bool:
         return False
 
 
+_GOLDEN: dict[str, str] = {}
+"""The fault-free digests this soak computed (never one of an earlier soak: the code may
+have changed since)."""
+
+
 def golden(d: Draw, root: Path) -> str:
-    out = root / f"golden-{d.golden_key()}"
-    digest = out / "digest.txt"
-    if not digest.exists():
+    key = d.golden_key()
+    if key not in _GOLDEN:
+        out = root / f"golden-{key}"
+        digest = out / "digest.txt"
         code, _, _ = launch(command(d, out, []), out)
         if code != 0 or not digest.exists():
             raise RuntimeError(f"the fault-free run {out} failed ({code}): see its stdout.log")
-    return digest.read_text()
+        _GOLDEN[key] = digest.read_text()
+    return _GOLDEN[key]
 
 
 def main(argv: list[str] | None = None) -> int:
