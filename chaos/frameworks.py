@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from chaos.procs import REPO, Run, alive, kill_tree
+from resilient.events import iter_events
 
 RECIPES = {
     "hf": "train_hf.py",
@@ -112,13 +113,8 @@ def launch(cmd: list[str], out: Path) -> tuple[int | str, float, list[int]]:
 def logged_pids(run_dir: Path) -> set[int]:
     """Every process the run's logs name: each event's `pid`, each attempt's `pids`."""
     pids: set[int] = set()
-    for path in (run_dir / "logs").glob("*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill
-            pids.update(p for p in [event.get("pid"), *event.get("pids", [])] if isinstance(p, int))
+    for event in iter_events(run_dir):
+        pids.update(p for p in [event.get("pid"), *event.get("pids", [])] if isinstance(p, int))
     return pids
 
 
