@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from chaos import postmortem
 from chaos.forks.wire import PRELOAD_ENV
 from chaos.procs import REPO, Run, events, latest_event, resumed_step, spawn, wait_for
 from chaos.ranks import Ranks, free_port
@@ -106,11 +107,12 @@ class Launcher:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stuck = postmortem.describe(proc.pid, _run_dir(cmd))  # before the kill ends it
             kill_tree(proc.pid, groups=(proc.pid,))
             out, err = proc.communicate()
             pytest.fail(
-                f"{' '.join(cmd)} timed out after {timeout} s\n--- stdout\n{out[-4000:]}\n"
-                f"--- stderr\n{err[-8000:]}"
+                f"{' '.join(cmd)} timed out after {timeout} s\n--- what it was doing\n"
+                f"{stuck[-12000:]}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
             )
         finally:
             kill_tree(proc.pid, groups=(proc.pid,))  # ranks a crashed launcher left behind
@@ -122,6 +124,14 @@ class Launcher:
             if proc.poll() is None:
                 proc.wait(timeout=10)
         self._procs.clear()
+
+
+def _run_dir(cmd: list[str]) -> Path | None:
+    """The `--run-dir` of a `resilient run` command line, if it has one."""
+    for i, arg in enumerate(cmd[:-1]):
+        if arg == "--run-dir":
+            return Path(cmd[i + 1])
+    return None
 
 
 def start(cmd: list[str], log: Path, *, env: dict[str, str] | None = None) -> Run:
