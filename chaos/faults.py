@@ -115,7 +115,7 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; known: {sorted(KINDS)}")
         from resilient.hang.phases import Phase
 
-        if self.phase not in (SNAPSHOT, REPLICATE, REFORM):  # not phases: see install
+        if self.phase not in (SNAPSHOT, REPLICATE, REFORM, LEFT):  # not phases: see install
             Phase.parse(self.phase)  # raises on an unknown phase name
 
     def matches(self, rank: int, restart: int, step: int, phase: str, generation: int = 0) -> bool:
@@ -306,6 +306,10 @@ REFORM = "reform"
 """A pseudo-phase: the fault fires as the rank enters the roll call of a new hot-recovery
 generation (hot/reform.py's roll call, before its process groups form): a survivor re-running
 its script, or the replacement. Give it `generation=N` (N >= 1) and no step."""
+LEFT = "left"
+"""A pseudo-phase: the fault fires in a survivor that left its generation for generation N
+(`generation=N`, N >= 1, no step), in the worker wrapper before it collects the unwound
+script's garbage, where a gloo destructor can block (hot/gapwatch.py)."""
 _installed: list[Fault] = []
 _generation = [0]
 
@@ -320,9 +324,10 @@ def install(faults: list[Fault]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def fire(step: int, phase: str) -> None:
+    def fire(step: int, phase: str, generation: int | None = None) -> None:
+        gen = _generation[0] if generation is None else generation
         for f in _installed:
-            if f.matches(rank, restart, step, phase, _generation[0]):
+            if f.matches(rank, restart, step, phase, gen):
                 f.fire(rank, step, phase)
 
     fp.arm(fp.PHASE_ENTER, lambda step, phase: fire(step, phase.name.lower()))
@@ -331,6 +336,8 @@ def install(faults: list[Fault]) -> None:
     # the buddy then waits for tensors that never come
     fp.arm(fp.REPLICA_HEADERS, lambda step: fire(step, REPLICATE))
     fp.arm(fp.HOT_ROLL_CALL, lambda generation: fire(-1, REFORM))
+    # before the script runs again: its generation is still the one being left
+    fp.arm(fp.HOT_LEFT, lambda generation: fire(-1, LEFT, generation))
 
 
 def uninstall() -> None:

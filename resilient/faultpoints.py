@@ -3,8 +3,9 @@ or its launcher.
 
 The chaos harness (chaos/faults.py, chaos/supervise.py) kills, stops or raises in a rank at
 exact moments: as it enters a phase of a step, in the middle of an in-memory snapshot, between
-the two halves of a replica exchange, on its way into a hot recovery's next generation, or
-right after the launcher's agent looked at its workers. Production code names
+the two halves of a replica exchange, on a survivor's way out of its generation, on a rank's
+way into a hot recovery's next one, or right after the launcher's agent looked at its workers.
+Production code names
 those moments here and calls `hit()` there; the harness `arm()`s an action on a name. Moving
 code carries its `hit()` along, so a fault can never be silently disarmed by a refactor, and
 an unknown name is an error at `arm()`.
@@ -20,6 +21,7 @@ from typing import Any
 PHASE_ENTER = "phase.enter"
 SNAPSHOT_COPIED = "snapshot.copied"
 REPLICA_HEADERS = "replica.headers"
+HOT_LEFT = "hot.left"
 HOT_ROLL_CALL = "hot.roll_call"
 AGENT_LOOKED = "agent.looked"
 
@@ -30,6 +32,9 @@ POINTS: dict[str, str] = {
     "memory/snapshot.py)",
     REPLICA_HEADERS: "a buddy-replica exchange sent and received its headers, no tensor has "
     "crossed yet (step=; memory/replica.py, on the replica thread)",
+    HOT_LEFT: "a survivor left its generation (the worker wrapper caught HotRestart) and has "
+    "not yet collected the unwound script's garbage (generation=: the one it goes to; "
+    "worker.py)",
     HOT_ROLL_CALL: "a rank enters the roll call of a hot recovery's generation, before its "
     "process groups form (generation=; hot/reform.py)",
     AGENT_LOOKED: "the supervisor's agent looked at its workers' exits and acts on them next "

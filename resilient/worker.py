@@ -26,10 +26,11 @@ import sys
 import time
 from typing import Any
 
+from resilient import faultpoints
 from resilient.envvars import ENV_GENERATION, HotMode
 from resilient.groups.exits import exit_past_teardown
 from resilient.groups.groups import left_generations_behind
-from resilient.hot import carry, reform
+from resilient.hot import carry, gapwatch, reform
 from resilient.hot.framework_state import forget_framework_state
 from resilient.hot.recovery import HotRestart, divert_escaped
 from resilient.hot.script_store import point_at_generation_store
@@ -129,6 +130,8 @@ def main(argv: list[str]) -> None:
         else:
             _leave(None)
             return
+        held = carry.peek()
+        faultpoints.hit(faultpoints.HOT_LEFT, generation=held.generation if held else -1)
         # the script's next Accelerator() must make its process group, as the replacement's does
         forget_framework_state()
         # The unwound script's frames (model, optimizer, loader iterators) are garbage now:
@@ -137,6 +140,7 @@ def main(argv: list[str]) -> None:
         gc.collect()
         gc.freeze()  # what is left (the script's own imports) stays out of the next one
         carry.note("gc_s", time.monotonic() - t0)
+        gapwatch.disarm()  # armed as it left (hot/recovery.py); the waits below are bounded
         os.environ[ENV_GENERATION] = str(reform.await_generation())
 
 

@@ -49,15 +49,18 @@ from resilient import events as ev
 from resilient.envvars import HotMode
 from resilient.exitcodes import ExitCode
 from resilient.groups.exits import exit_now
-from resilient.hot import carry, reform, restore
+from resilient.hot import carry, gapwatch, reform, restore
 from resilient.hot.host import RecoveryHost
 from resilient.log import get_logger
 from resilient.memory.replica import localize
 
-__all__ = ["DRAIN_S", "HotRecovery", "HotRestart", "divert_escaped"]
+__all__ = ["DRAIN_S", "GAP_S", "HotRecovery", "HotRestart", "divert_escaped"]
 
 DRAIN_S = 10.0
 """How long a survivor waits for an in-flight async save or replica to fail or finish."""
+GAP_S = 2 * DRAIN_S + 15.0
+"""How long a survivor may take from leaving its generation until its garbage is collected
+(hot/gapwatch.py): its two drains, and 15 s for the rest, which takes under a second."""
 
 
 class HotRestart(BaseException):
@@ -112,6 +115,7 @@ class HotRecovery:
         )
         if not held or self.store is None:
             self._cold("no in-memory snapshot on this rank yet" if not held else "no store")
+        gapwatch.arm(host.watchdog.stacks_path, GAP_S, generation=gen)  # worker.py disarms
         # a peer may wait on this rank, not on the lost one, in a sub-group's collective (a
         # mesh): it cuts its connections to this process (hang/departed.py)
         host.watchdog.announce_departure()
