@@ -14,6 +14,8 @@ tests/test_loader_workers.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from chaos.procs import events
 from chaos.ranks import Ranks
+from resilient.data import worker_start
 from resilient.data.worker_start import WorkerStarts, fork_deadlock_prone, forks_workers
 from resilient.events import timestamp
 from resilient.exitcodes import ExitCode
@@ -115,3 +118,22 @@ def test_only_forked_workers_are_watched() -> None:
     assert not forks_workers(spawn)
     fork = StatefulDataLoader(list(range(4)), num_workers=2, multiprocessing_context="fork")
     assert forks_workers(fork)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's start times")
+@pytest.mark.timeout(30)
+def test_a_child_forked_now_is_born_now() -> None:
+    """A child's start time and the wall clock agree to the kernel's tick. psutil's
+    create_time() is up to 1 s early (a boot time in whole seconds): a fork 50 ms after the
+    iterator began then looked older than the iterator, and the stuck worker went unnamed
+    until the phase's timeout on machines that booted late in a second."""
+    for _ in range(5):
+        before = worker_start._since_boot()
+        child = subprocess.Popen(["sleep", "5"])
+        try:
+            born = worker_start._born_since_boot(psutil.Process(child.pid))
+            after = worker_start._since_boot()
+        finally:
+            child.kill()
+            child.wait()
+        assert before - 0.02 <= born <= after + 0.02, (before, born, after)

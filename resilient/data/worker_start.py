@@ -39,6 +39,7 @@ FIXED_IN = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
 """The first release of each affected minor version with the fix; 3.12 and later have it."""
 
 _PID = struct.Struct("=i")
+_ON_LINUX = sys.platform.startswith("linux")
 _KEEP = 4096  # started pids remembered; a pid reused by the OS only hides a stuck worker
 
 
@@ -97,6 +98,10 @@ class WorkerStarts:
         now = time.time()
         if since is None or now - since < after_s:
             return []
+        # ages on the clock a process's start time is kept on: psutil's create_time() adds it
+        # to a boot time rounded to whole seconds, up to 1 s early against time.time()
+        now_boot = _since_boot()
+        since_boot = since - now + now_boot
         me = psutil.Process()
         try:
             argv = me.cmdline()
@@ -105,11 +110,11 @@ class WorkerStarts:
             return []
         stuck = []
         for kid in kids:
-            with contextlib.suppress(psutil.Error):
-                born = kid.create_time()
+            with contextlib.suppress(psutil.Error, OSError):  # OSError: it exited meanwhile
+                born = _born_since_boot(kid)
                 # forked by this iterator: born inside the call, this process's own image
-                ours = born >= since - 0.05 and kid.cmdline() == argv
-                if ours and now - born >= after_s and kid.pid not in self.started:
+                ours = born >= since_boot - 0.05 and kid.cmdline() == argv
+                if ours and now_boot - born >= after_s and kid.pid not in self.started:
                     stuck.append(kid.pid)
         return stuck
 
@@ -125,6 +130,25 @@ class WorkerStarts:
                 self.started[pid] = None
             while len(self.started) > _KEEP:
                 del self.started[next(iter(self.started))]
+
+
+def _since_boot() -> float:
+    """Seconds since boot, counting suspended time, as Linux keeps process start times. Off
+    Linux, the wall clock (psutil's start times are then on it)."""
+    if not _ON_LINUX:
+        return time.time()
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _born_since_boot(proc: psutil.Process) -> float:
+    """When `proc` started, on `_since_boot()`'s clock: to the kernel's clock tick (10 ms)."""
+    if not _ON_LINUX:
+        return float(proc.create_time())
+    with open(f"/proc/{proc.pid}/stat", "rb") as f:
+        stat = f.read()
+    # the fields after the command name, which may itself hold spaces and parentheses
+    start_ticks = int(stat.rsplit(b")", 1)[1].split()[19])
+    return start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 class _MarkStart:
