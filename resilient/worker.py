@@ -36,6 +36,9 @@ from resilient.hot.recovery import HotRestart, divert_escaped
 from resilient.hot.script_store import point_at_generation_store
 from resilient.runtime.runtime import current
 
+_PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal this process gets when its parent dies."""
+
 
 def _run(argv: list[str]) -> None:
     if argv and argv[0] == "-m":
@@ -100,7 +103,25 @@ def _leave(end: BaseException | None) -> None:
     exit_past_teardown(1)
 
 
+def _die_with_the_launcher() -> None:
+    """SIGKILL this process when its parent, the launcher's agent, dies (kill -9, the OOM
+    killer). A worker outside a generation has no watchdog to notice: a replacement waiting in
+    the script's own init_process_group would wait out that call's timeout (30 minutes),
+    holding its memory and cores. Linux only; the agent starts its workers from its main
+    thread, whose end the kernel watches. A save cut short this way is never committed."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the call above could take effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> None:
+    _die_with_the_launcher()
     if argv[:1] == ["--spare"]:
         argv = _become_assigned()
     if not argv or (argv[0] == "-m" and len(argv) < 2):
