@@ -208,6 +208,25 @@ def recipe_cmd(
     )
 
 
+def tiny_ddp_loop(*, steps: int, sleep_s: float, prelude: str = "") -> str:
+    """A small runtime loop (DDP over a 4x4 linear, a save every 5 steps) as a script's text,
+    `prelude` before its `resilient.init`."""
+    return (
+        "import time\nimport torch\nimport resilient\n"
+        + prelude
+        + "rt = resilient.init(save_every_steps=5)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+        "rt.track(model=model, optimizer=opt)\n"
+        f"for step in rt.steps(total={steps}):\n"
+        "    model(torch.ones(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        f"    time.sleep({sleep_s})\n"
+    )
+
+
 _EXITS_AFTER_INIT = """\
 import os, sys, time
 import torch.distributed as dist

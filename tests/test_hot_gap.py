@@ -12,27 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import Launcher, recipe_cmd, run_events
+from helpers import Launcher, recipe_cmd, run_events, tiny_ddp_loop
 
 from resilient.exitcodes import ExitCode
 from resilient.hot.recovery import GAP_S
 
-_SCRIPT = """\
-import time
-import torch
-import resilient
-
-rt = resilient.init(save_every_steps=5)
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
-opt = torch.optim.Adam(model.parameters(), lr=0.01)
-rt.track(model=model, optimizer=opt)
-for step in rt.steps(total=24):
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    time.sleep(0.05)
-"""
+_SCRIPT = tiny_ddp_loop(steps=24, sleep_s=0.05)
 
 
 @pytest.mark.slow

@@ -10,32 +10,21 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import Launcher, recipe_cmd
+from helpers import Launcher, recipe_cmd, tiny_ddp_loop
 
 from resilient.exitcodes import ExitCode
 
-_SCRIPT = """\
-import sys, time, types
-import torch
+_PRELUDE = """\
+import sys, types
 import torch.distributed as dist
-import resilient
 
 # what a framework keeps in a module: set once per process, still set in a hot re-run
 state = sys.modules.setdefault("a_framework_state", types.ModuleType("a_framework_state"))
 if not getattr(state, "group_made", False):
     dist.init_process_group("gloo")
     state.group_made = True
-rt = resilient.init(save_every_steps=5)
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
-opt = torch.optim.Adam(model.parameters(), lr=0.01)
-rt.track(model=model, optimizer=opt)
-for step in rt.steps(total=24):
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    time.sleep(0.05)
 """
+_SCRIPT = tiny_ddp_loop(steps=24, sleep_s=0.05, prelude=_PRELUDE)
 
 
 @pytest.mark.slow

@@ -17,26 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import kill_tree, run_cmd, run_events, spawn, wait_for
+from helpers import kill_tree, run_cmd, run_events, spawn, tiny_ddp_loop, wait_for
 
 from resilient.proctree import alive, descendants
 
-_SCRIPT = """\
-import time
-import torch
-import resilient
-
-rt = resilient.init(save_every_steps=5)
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
-opt = torch.optim.Adam(model.parameters(), lr=0.01)
-rt.track(model=model, optimizer=opt)
-for step in rt.steps(total=100000):
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    time.sleep(0.02)
-"""
+_SCRIPT = tiny_ddp_loop(steps=100000, sleep_s=0.02)
 
 
 @pytest.mark.slow
