@@ -84,14 +84,20 @@ def test_hot_recovery_replaces_the_lost_rank_in_place(
     """With --hot-recovery the survivor re-runs the script in place and a spare takes rank
     1's place: Lightning's own init_process_group forms on a fresh store for the generation,
     the state (Lightning's loops included) comes from the in-memory snapshots, and it ends
-    equal."""
+    equal. The snapshot it lands on is step 32's, the last step of epoch 1: between that step
+    and the next, Lightning validates (its loader draws from the RNG) and starts epoch 2. A
+    snapshot taken before that, as one once was, resumed with the RNG one draw behind."""
+    snapshots = '{"enabled": true, "every_steps": 16}'
     code, _, err = launcher.run(
-        _run(tmp_path, "--hot-recovery", faults=("kill@rank=1,step=27,phase=backward",)),
+        _run(tmp_path, "--hot-recovery", faults=("kill@rank=1,step=35,phase=backward",)),
         timeout=250,
+        env={"RESILIENT_SNAPSHOT": snapshots},
     )
     assert code == ExitCode.OK, err[-4000:]
     # (under a heavy load a later step may still fall back cold; the bits hold either way)
     assert "recovery.hot.formed" in err and "hot=True" in err
+    assert "to_step=32" in err, err[-4000:]
+    assert "resume.diverged" not in err, err[-4000:]
     assert _final(tmp_path) == fault_free
 
 

@@ -307,6 +307,8 @@ class LightningState:
     def __init__(self, trainer: Any, skip: Any) -> None:
         self.trainer = trainer
         self.skip = skip  # the Resilient callback: no state of its own
+        self.stepped_at_load: int | None = None
+        """The loaded count of batches that stepped, until `restore_stepped_count()`."""
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -322,6 +324,7 @@ class LightningState:
             "callbacks": callbacks,
             "datamodule": dm.state_dict() if dm is not None else {},
             "global_step": int(t.global_step),
+            "batches_that_stepped": int(t.fit_loop.epoch_loop._batches_that_stepped),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -333,8 +336,19 @@ class LightningState:
                 cb.load_state_dict(copy.deepcopy(states[cb.state_key]))
         if t.datamodule is not None and sd["datamodule"]:
             t.datamodule.load_state_dict(sd["datamodule"])
+        self.stepped_at_load = sd.get("batches_that_stepped")
         if int(t.global_step) != int(sd["global_step"]):
             raise RuntimeError(
                 f"Lightning's global_step is {t.global_step} after loading, the checkpoint "
                 f"says {sd['global_step']}: this lightning release restores its loops otherwise"
             )
+
+    def restore_stepped_count(self) -> None:
+        """At the first batch after a load: the count of batches that stepped (the step the
+        loggers write) as it was saved. Lightning's restart adds one to it for a checkpoint
+        it assumes was written before the count went up (ModelCheckpoint's, in
+        on_train_batch_end); the runtime saves at a step's opening, after it went up, and at
+        an epoch's first step Lightning's restart takes that for its own case."""
+        if self.stepped_at_load is not None:
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.stepped_at_load
+            self.stepped_at_load = None

@@ -70,6 +70,7 @@ class Resilient(pl.Callback):
         self.options = dict(options)
         self.rt: Runtime | None = None
         self.loop: DrivenLoop | None = None
+        self._state: LightningState | None = None
         self._batches: EpochBatches | None = None
         self._trainer: Any = None
         self._save_due = False
@@ -127,12 +128,13 @@ class Resilient(pl.Callback):
         mesh = getattr(trainer.strategy, "device_mesh", None)  # ModelParallelStrategy's
         if mesh is not None:
             extras.update(mesh=mesh, mesh_roles=_MESH_ROLES)
+        self._state = LightningState(trainer, self)
         rt.track(
             model=trainer.strategy.model,
             optimizer=trainer.optimizers[0],
             scheduler=configs[0].scheduler if configs else None,
             loader=loader,
-            lightning=LightningState(trainer, self),
+            lightning=self._state,
             **extras,
         )
         self.loop = DrivenLoop(rt, total_steps(trainer, per_epoch))
@@ -167,6 +169,12 @@ class Resilient(pl.Callback):
             return True
         loop.begin()
         return False
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._state is not None:
+            self._state.restore_stepped_count()  # once, after a resume (LightningState)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         # before its backward: the non-finite check rides DDP's all-reduce, and the loss

@@ -173,6 +173,7 @@ class Snapshots:
         self._failures: dict[tuple[int, int], int] = {}
         self.pending: int | None = None
         """The snapshot step to roll back to after the current step's body (agreed)."""
+        self._held: list[tuple[int, bool]] | None = None  # see keep_at_opening
         self.replicate = replicate
         self.replicas = replicas
         self.sharded = False
@@ -251,6 +252,24 @@ class Snapshots:
         after the start and every 32 steps: every rank then snapshots at the same steps."""
         if not self.enabled or self._state is None:
             return
+        if self._held is not None:
+            self._held[:] = [(step, force)]
+            return
+        self._after_step(step, force)
+
+    def keep_at_opening(self) -> None:
+        """From now on a closed step's snapshot waits for `opening()` of the next step, where a
+        framework's loop (runtime/driven.py) saves: its epoch's end in between (validation
+        draws from the RNG) would be left out of a snapshot taken before, once restored."""
+        self._held = []
+
+    def opening(self) -> None:
+        """The next step opens: the held snapshot, if one waits."""
+        if self._held:
+            step, force = self._held.pop()
+            self._after_step(step, force)
+
+    def _after_step(self, step: int, force: bool) -> None:
         now = time.perf_counter()
         if self._last_t is not None:
             self.measured.step(now - self._last_t, exchanging=self._exchanging)

@@ -55,6 +55,7 @@ class DrivenLoop:
         self._started = True
         rt.log.info(ev.TRAIN_LOOP, start=self.start_step, total=self.end_at, driven=True)
         rt.snapshots.after_step(self.start_step, force=True)
+        rt.snapshots.keep_at_opening()  # where the framework saves, after its epoch's end
         return self.start_step
 
     @property
@@ -96,9 +97,11 @@ class DrivenLoop:
         return self.rt.step >= self.end_at
 
     def begin(self) -> None:
-        """Before the step's first batch: a preemption stop agreed here saves and leaves the
-        process (ExitCode.PREEMPTED); otherwise the step opens (heartbeats, fingerprints)."""
+        """Before the step's first batch: the last step's snapshot (when one is due), then a
+        preemption stop agreed here saves and leaves the process (ExitCode.PREEMPTED);
+        otherwise the step opens (heartbeats, fingerprints)."""
         rt = self.rt
+        rt.snapshots.opening()
         rt._check_preempt(self.start_step)
         rt._progress.begin()
         rt._open_step(rt.step)
