@@ -12,10 +12,11 @@ fault follows in the restarted attempt. 60 steps (Accelerate: 40) over 32-step e
 checkpoint every 20 (10): the faults land before and after saves, at epoch ends and inside
 accumulations.
 
-The checks: `resilient run` ends 0 within the run's timeout, the final state's digest equals
-the fault-free run's (one per recipe, accumulation and FSDP setting), and no process of the
-run is left. A summary JSON lists every draw and its outcome; the exit code is 1 when one
-failed. About 25 s a run on two cores; `make soak` runs 30.
+The checks: `resilient run` ends 0 within the run's timeout, the final state's digest (and
+Lightning's counters: global step, epoch, logged step) equals the fault-free run's (one per
+recipe, accumulation and FSDP setting), and no process of the run is left. A summary JSON
+lists every draw and its outcome; the exit code is 1 when one failed. About 25 s a run on
+two cores; `make soak` runs 30.
 """
 
 from __future__ import annotations
@@ -126,20 +127,26 @@ def _ours(pid: int) -> bool:
         return False
 
 
-_GOLDEN: dict[str, str] = {}
-"""The fault-free digests this soak computed (never one of an earlier soak: the code may
+_GOLDEN: dict[str, dict[str, str]] = {}
+"""The fault-free finals this soak computed (never one of an earlier soak: the code may
 have changed since)."""
 
 
-def golden(d: Draw, root: Path) -> str:
+def finals(out: Path) -> dict[str, str]:
+    """What a run's script wrote at its end: the digest of its weights and optimizer, and
+    the framework's own counters where the recipe writes them (Lightning's global step,
+    epoch and logged step, in lightning.txt)."""
+    return {f.name: f.read_text() for f in sorted(out.glob("*.txt"))}
+
+
+def golden(d: Draw, root: Path) -> dict[str, str]:
     key = d.golden_key()
     if key not in _GOLDEN:
         out = root / f"golden-{key}"
-        digest = out / "digest.txt"
         code, _, _ = launch(command(d, out, []), out)
-        if code != 0 or not digest.exists():
+        if code != 0 or "digest.txt" not in finals(out):
             raise RuntimeError(f"the fault-free run {out} failed ({code}): see its stdout.log")
-        _GOLDEN[key] = digest.read_text()
+        _GOLDEN[key] = finals(out)
     return _GOLDEN[key]
 
 
@@ -158,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         expected = golden(d, args.out)
         out = args.out / f"seed{args.seed}-{i:03d}"
         code, seconds, left = launch(command(d, out, d.faults), out)
-        digest = out / "digest.txt"
-        exact = digest.exists() and digest.read_text() == expected
+        exact = finals(out) == expected
         ok = code == 0 and exact and not left
         results.append({**asdict(d), "run": str(out), "exit": code, "exact": exact,
                         "left_behind": left, "seconds": round(seconds, 1), "ok": ok})  # fmt: skip
