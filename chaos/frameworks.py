@@ -144,9 +144,10 @@ def golden(d: Draw, root: Path) -> dict[str, str]:
     if key not in _GOLDEN:
         out = root / f"golden-{key}"
         code, _, _ = launch(command(d, out, []), out)
-        if code != 0 or "digest.txt" not in finals(out):
+        written = finals(out)
+        if code != 0 or "digest.txt" not in written:
             raise RuntimeError(f"the fault-free run {out} failed ({code}): see its stdout.log")
-        _GOLDEN[key] = finals(out)
+        _GOLDEN[key] = written
     return _GOLDEN[key]
 
 
